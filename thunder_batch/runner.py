@@ -1,0 +1,72 @@
+"""Owns the model, its slot caches and the step program; turns a StepPlan into tensors and runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from thunder_batch.compile import compile_program
+from thunder_batch.config import EngineConfig
+from thunder_batch.kv_cache import attach_slot_caches
+from thunder_batch.model import check_supported
+from thunder_batch.program import StepProgram
+from thunder_batch.scheduler import StepPlan
+
+
+@dataclass
+class StepInputs:
+    idx: torch.Tensor  # [B, T] token ids (0 where padding)
+    input_pos: torch.Tensor  # [B, T] positions; padding t carries S + t (its scratch entry)
+    last_idx: torch.Tensor  # [B] index in T of each slot's last real token
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+
+    def as_args(self) -> tuple[torch.Tensor, ...]:
+        return (self.idx, self.input_pos, self.last_idx, self.temperature, self.top_k, self.top_p, self.seed)
+
+
+class Runner:
+    """The model side of the engine: B slots of `max_seq_length` cache each, one step program."""
+
+    def __init__(self, gpt: torch.nn.Module, config: EngineConfig) -> None:
+        check_supported(gpt.config)
+        if config.max_seq_length > gpt.config.block_size:
+            raise ValueError(f"max_seq_length ({config.max_seq_length}) exceeds the model's context "
+                             f"length (block_size {gpt.config.block_size})")
+        self.config = config
+        self.device = gpt.lm_head.weight.device
+        gpt.max_seq_length = config.max_seq_length
+        gpt.eval().requires_grad_(False)
+        # Room for the widest step's padding past the real positions (see SlotKVCache).
+        attach_slot_caches(gpt, config.batch_size, config.max_seq_length + max(config.step_widths))
+        self.gpt = gpt
+        self.program = StepProgram(gpt)
+        self.step_fn = compile_program(self.program, config)
+
+    def inputs_for(self, plan: StepPlan) -> StepInputs:
+        B, T, S = self.config.batch_size, plan.width, self.config.max_seq_length
+        idx = [[0] * T for _ in range(B)]
+        pos = [[S + t for t in range(T)] for _ in range(B)]
+        last, temperature, top_k, top_p, seed = [0] * B, [0.0] * B, [0] * B, [1.0] * B, [0] * B
+        for w in plan.work:
+            n, params = len(w.token_ids), w.request.params
+            idx[w.slot][:n] = w.token_ids
+            pos[w.slot][:n] = range(w.start_pos, w.start_pos + n)
+            last[w.slot] = n - 1
+            temperature[w.slot], top_p[w.slot] = float(params.temperature), float(params.top_p)
+            top_k[w.slot], seed[w.slot] = params.top_k or 0, w.request.seed
+        long, dev = torch.int64, self.device
+        return StepInputs(
+            torch.tensor(idx, dtype=long, device=dev), torch.tensor(pos, dtype=long, device=dev),
+            torch.tensor(last, dtype=long, device=dev), torch.tensor(temperature, dtype=torch.float32, device=dev),
+            torch.tensor(top_k, dtype=long, device=dev), torch.tensor(top_p, dtype=torch.float32, device=dev),
+            torch.tensor(seed, dtype=long, device=dev))
+
+    def run(self, plan: StepPlan) -> tuple[list[int], list[float]]:
+        """One step; returns the sampled token and its logprob for every slot (one host sync)."""
+        with torch.no_grad():
+            token, logprob = self.step_fn(*self.inputs_for(plan).as_args())
+        return token.tolist(), logprob.tolist()

@@ -1,0 +1,89 @@
+"""Batched sampling with per-row parameters, traceable by Thunder (no host sync, no Generator).
+
+Every row draws from softmax(logits / temperature) restricted by its own top-k, then its own
+top-p (nucleus), or takes the argmax where temperature == 0. Randomness comes from a
+counter-based hash of (seed, position, vocab index) turned into Gumbel noise, so a row's token
+depends only on its own logits, parameters, seed and position: never on its slot or batch-mates.
+
+Integer hashing stays in int64 with every value < 2**32 and every multiplier < 2**27, so no
+product reaches 2**63: eager torch and the traced program agree bit-for-bit. Thunder's
+TensorProxy has no `%` operator; masking with `&` avoids it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_MASK32 = 0xFFFFFFFF
+_MULT = 0x45D9F3B  # odd multiplier of a well-mixing 32-bit xorshift-multiply hash (< 2**27)
+# Distinct offsets per key part so that zeros do not hash to the fixed point mix(0) == 0.
+_SEED_OFFSET = 0x2545F491
+_POS_OFFSET = 0x1B873593
+_VOCAB_OFFSET = 0x3C6EF372
+
+
+def mix32(x: Tensor) -> Tensor:
+    """Bijective 32-bit hash of int64 values in [0, 2**32); output also in [0, 2**32)."""
+    x = ((x >> 16) ^ x) * _MULT & _MASK32
+    x = ((x >> 16) ^ x) * _MULT & _MASK32
+    return (x >> 16) ^ x
+
+
+def random_bits(seed: Tensor, position: Tensor, vocab_size: int) -> Tensor:
+    """32 random bits per (row, vocab index), keyed by the row's (seed, position) only."""
+    key = mix32((seed + _SEED_OFFSET) & _MASK32)  # [B]
+    key = mix32(key ^ ((position + _POS_OFFSET) & _MASK32))  # [B]
+    vocab = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)  # [V]
+    vocab = mix32(vocab + _VOCAB_OFFSET)  # [V]
+    return mix32(key[:, None] ^ vocab[None, :])  # [B, V]
+
+
+def bits_to_uniform(bits: Tensor) -> Tensor:
+    """Top 23 bits -> float32 strictly inside (0, 1): (k + 0.5) / 2**23 is exact in float32."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 2**23)  # [B, V]
+
+
+def gumbel_noise(seed: Tensor, position: Tensor, vocab_size: int) -> Tensor:
+    """Standard Gumbel noise -log(-log(u)), one value per (row, vocab index)."""
+    u = bits_to_uniform(random_bits(seed, position, vocab_size))  # [B, V]
+    return -torch.log(-torch.log(u))  # [B, V]
+
+
+def filter_top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask with -inf every token outside the row's top-k, then outside its nucleus top-p."""
+    vocab_size = scaled.shape[-1]
+    sorted_vals, _ = torch.sort(scaled, dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(vocab_size, device=scaled.device)  # [V]
+    k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)  # [B]; 0 = off
+    in_top_k = rank[None, :] < k[:, None]  # [B, V]
+    sorted_vals = torch.where(in_top_k, sorted_vals, float("-inf"))  # [B, V]
+    probs = torch.softmax(sorted_vals, dim=-1)  # [B, V] renormalised over the top-k
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [B, V]
+    # Keep a token while the mass above it is still short of top_p; rank 0 always stays.
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (rank[None, :] == 0))  # [B, V]
+    n_keep = keep.sum(dim=-1, keepdim=True)  # [B, 1], >= 1
+    threshold = torch.gather(sorted_vals, 1, n_keep - 1)  # [B, 1] smallest kept value
+    return torch.where(scaled >= threshold, scaled, float("-inf"))  # [B, V]
+
+
+def batched_sample(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, position: Tensor
+) -> tuple[Tensor, Tensor]:
+    """logits[B, V] float (any float dtype; compute in float32), temperature[B] float32 (0 = greedy),
+    top_k[B] int64 (0 = no top-k), top_p[B] float32 in (0, 1] (1 = off), seed[B] int64 (>= 0, < 2**31),
+    position[B] int64 (the absolute sequence position of the token being sampled).
+    Returns (token[B] int64, logprob[B] float32) where logprob is log_softmax of the raw logits
+    (temperature 1, no filtering) at the chosen token."""
+    logits = logits.float()  # [B, V]
+    greedy = temperature <= 0  # [B]
+    # Greedy rows divide by 1 so no inf/nan is formed; their sampled value is discarded.
+    temp = torch.where(greedy, 1.0, temperature)  # [B]
+    scaled = logits / temp[:, None]  # [B, V]
+    filtered = filter_top_k_top_p(scaled, top_k, top_p)  # [B, V]
+    # Gumbel-max: argmax(filtered + Gumbel) is a draw from softmax(filtered).
+    noisy = filtered + gumbel_noise(seed, position, logits.shape[-1])  # [B, V]
+    token = torch.where(greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))  # [B]
+    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    logprob = torch.gather(logprobs, 1, token[:, None]).squeeze(1)  # [B]
+    return token, logprob
