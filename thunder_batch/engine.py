@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections.abc import Iterator, Sequence
 
+from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
 from thunder_batch.compile import cache_hits, cache_misses
 from thunder_batch.config import EngineConfig, SamplingParams
 from thunder_batch.request import GenerationResult, Request, StepOutput
@@ -16,12 +18,14 @@ from thunder_batch.scheduler import Scheduler
 class Engine:
     """Continuous batching over a fixed batch of slots with one compiled step program.
 
-    model: a litgpt GPT; tokenizer: a litgpt Tokenizer, or None to work in token ids only.
+    model: a litgpt GPT; tokenizer: a litgpt Tokenizer, or None to work in token ids only;
+    prompt_style: litgpt PromptStyle for chat prompts (default: litgpt's style for the model name).
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None) -> None:
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, prompt_style=None) -> None:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
+        self.prompt_style = prompt_style or prompt_style_for(model.config)
         self.runner = Runner(model, self.config)
         self.scheduler = Scheduler(self.config.batch_size, self.config.prefill_chunk)
         self.vocab_size = model.config.padded_vocab_size
@@ -31,13 +35,27 @@ class Engine:
         self._seeds = random.Random()  # seeds for requests that bring none
         self._counters = dict(steps=0, generated_tokens=0, prompt_tokens=0, finished_requests=0)
 
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir=None, config: EngineConfig | None = None, dtype=None, device="cpu"):
+        """Load a litgpt checkpoint dir (None: the default model, converted once) with its tokenizer
+        and prompt style."""
+        import torch
+
+        from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
+
+        checkpoint_dir = default_checkpoint_dir() if checkpoint_dir is None else checkpoint_dir
+        model, tokenizer, model_config = load_checkpoint(checkpoint_dir, dtype=dtype or torch.float32, device=device)
+        return cls(model, config, tokenizer, prompt_style_for(model_config, checkpoint_dir))
+
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
-        """Queue a prompt (str, or list of token ids); returns its id. Bad input raises ValueError
-        here, before any step, and leaves every other request untouched."""
+        """Queue a prompt (str, list of token ids, or chat messages); returns its id. Bad input raises
+        ValueError here, before any step, and leaves every other request untouched."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if is_chat(prompt):
+            params = self._with_chat_stops(params)
         prompt_ids = self.encode(prompt)
         self._check_fits(len(prompt_ids), params)
         if request_id is None:
@@ -50,7 +68,12 @@ class Engine:
         return request_id
 
     def encode(self, prompt) -> list[int]:
-        """Token ids of a prompt: a str (needs a tokenizer) or a non-empty list of ids in the vocabulary."""
+        """Token ids of a prompt: a str or chat messages (both need a tokenizer), or a non-empty list
+        of ids in the vocabulary."""
+        if is_chat(prompt):
+            if self.tokenizer is None:
+                raise ValueError("chat messages need a tokenizer")
+            prompt = apply_chat(self.prompt_style, prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give the Engine a tokenizer")
@@ -65,6 +88,12 @@ class Engine:
         if bad:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         return list(prompt)
+
+    def _with_chat_stops(self, params: SamplingParams) -> SamplingParams:
+        """Chat replies end at the prompt style's stop tokens (e.g. <|im_end|>) as well."""
+        strings, sequences = params.stop_strings, params.stop_sequences
+        chat = tuple(s for s in chat_stop_sequences(self.prompt_style, self.tokenizer) if s not in sequences)
+        return dataclasses.replace(params, stop=[*strings, *(list(s) for s in sequences + chat)])
 
     def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
         limit = self.config.max_seq_length
@@ -149,9 +178,20 @@ class Engine:
             self._check_fits(len(self.encode(prompt)), p or SamplingParams())
         return [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
 
+    def warmup(self, progress: bool = False) -> dict[int, float]:
+        """Compile (or load) the step program for every step width now; seconds per width."""
+        seconds = self.runner.warmup(progress)
+        self._counters["compile_seconds"] = self._counters.get("compile_seconds", 0.0) + sum(seconds.values())
+        return seconds
+
     def stats(self) -> dict:
         fn = self.runner.step_fn
         misses = cache_misses(fn)
         return dict(self._counters, compiled_programs=misses, cache_misses=misses, cache_hits=cache_hits(fn),
                     step_widths=list(self.config.step_widths), running=self.scheduler.num_running(),
                     waiting=len(self.scheduler.waiting))
+
+
+def is_chat(prompt) -> bool:
+    """Chat input is a list of message dicts (a list of ints is token ids)."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)

