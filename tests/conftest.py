@@ -1,0 +1,67 @@
+"""Tiny litgpt models of several architecture families, and litgpt's own generate_fn as the oracle."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from litgpt import GPT, Config
+from litgpt.generate.base import generate_fn
+
+VOCAB = 256
+BLOCK = 128
+
+# One config per family: each exercises different litgpt code paths in the step program.
+FAMILY_CONFIGS = {
+    # GPT-NeoX/Pythia: parallel residual, partial rotary (25%), LayerNorm, biases, MHA
+    "pythia": dict(name="pythia-14m", n_layer=2),
+    # Llama: RMSNorm, SwiGLU, grouped-query attention (4 query heads over 2 KV heads)
+    "llama": dict(name="SmolLM2-135M", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
+                  intermediate_size=128),
+    # Gemma-2: attention and final logit softcapping, post-attention/post-MLP norms, scaled
+    # embeddings, GeGLU, alternating sliding-window layers, attention_scores_scalar
+    "gemma2": dict(name="gemma-2-2b", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
+                   intermediate_size=128, attention_scores_scalar=16),
+    # Phi-2: parallel residual with a shared attention norm, partial rotary, GELU MLP
+    "phi2": dict(name="phi-2", n_layer=2, n_embd=64, n_head=4, n_query_groups=4, head_size=16,
+                 intermediate_size=128),
+}
+
+
+def tiny_config(family: str, **overrides) -> Config:
+    spec = dict(FAMILY_CONFIGS[family])
+    name = spec.pop("name")
+    spec.update(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, **overrides)
+    return Config.from_name(name, **spec)
+
+
+def tiny_gpt(family: str, seed: int = 0, **overrides) -> GPT:
+    """A random GPT whose logits are O(1) apart, so greedy choices are not float-noise ties."""
+    torch.manual_seed(seed)
+    gpt = GPT(tiny_config(family, **overrides))
+    with torch.no_grad():
+        for p in gpt.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    return gpt.eval()
+
+
+def litgpt_greedy(gpt: GPT, prompt: list[int], max_new_tokens: int, stop_tokens=()) -> list[int]:
+    """litgpt's own single-prompt generate_fn: the oracle for batching."""
+    model = copy.deepcopy(gpt)
+    model.set_kv_cache(batch_size=1, max_seq_length=len(prompt) + max_new_tokens)
+    out = generate_fn(model, torch.tensor(prompt), len(prompt) + max_new_tokens, temperature=0.0,
+                      stop_tokens=stop_tokens, include_prompt=False, include_eos=False)
+    return [int(t) for t in out]
+
+
+def mixed_prompts(n: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(params=list(FAMILY_CONFIGS))
+def family(request) -> str:
+    return request.param
