@@ -49,7 +49,15 @@ def tiny_gpt(family: str, seed: int = 0, **overrides) -> GPT:
 
 
 def litgpt_greedy(gpt: GPT, prompt: list[int], max_new_tokens: int, stop_tokens=()) -> list[int]:
-    """litgpt's own single-prompt generate_fn: the oracle for batching."""
+    """litgpt's own single-prompt generate_fn: the oracle for batching.
+
+    For attention softcapping (Gemma-2) litgpt 0.5.13's KV-cache path is wrong: it adds the boolean
+    cache mask to the scores (+1/+0) instead of masking, so there the oracle is litgpt's uncached
+    full forward, re-run on the whole sequence for every token.
+    """
+    if gpt.config.attention_logit_softcapping is not None:
+        assert not stop_tokens
+        return litgpt_greedy_uncached(gpt, prompt, max_new_tokens)
     model = copy.deepcopy(gpt)
     model.set_kv_cache(batch_size=1, max_seq_length=len(prompt) + max_new_tokens)
     out = generate_fn(model, torch.tensor(prompt), len(prompt) + max_new_tokens, temperature=0.0,
@@ -57,9 +65,37 @@ def litgpt_greedy(gpt: GPT, prompt: list[int], max_new_tokens: int, stop_tokens=
     return [int(t) for t in out]
 
 
+@torch.no_grad()
+def litgpt_greedy_uncached(gpt: GPT, prompt: list[int], max_new_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        tokens.append(int(gpt(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
 def mixed_prompts(n: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+ENGINE_CONFIG = dict(batch_size=4, max_seq_length=64, prefill_chunk=8)
+
+
+@pytest.fixture(scope="session")
+def thunder_engine():
+    """Thunder engines shared across tests (tracing is the slow part): family -> Engine built on
+    `tiny_gpt(family)` with ENGINE_CONFIG. Tests must leave every slot free."""
+    from thunder_batch import Engine, EngineConfig
+
+    engines = {}
+
+    def get(family: str) -> Engine:
+        if family not in engines:
+            engines[family] = Engine(tiny_gpt(family), EngineConfig(compile="thunder", **ENGINE_CONFIG))
+        assert not engines[family].has_unfinished()
+        return engines[family]
+
+    return get
 
 
 @pytest.fixture(params=list(FAMILY_CONFIGS))
