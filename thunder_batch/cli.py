@@ -5,6 +5,7 @@ Text goes to stdout; timings, memory and logs to stderr. Heavy imports happen in
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Literal
@@ -45,20 +46,31 @@ def generate(
         compile: "thunder" traces the step program once per step width; "eager" runs it as is.
         precision: Weights and KV cache dtype.
     """
+    args = dict(locals())
     from thunder_batch.generate_cli import run_generate
 
-    run_generate(**locals())
+    run_generate(**args)
+
+
+# Flags that collect a list when repeated (`--prompt a --prompt b`), jsonargparse's `--prompt+ a`.
+REPEATABLE_FLAGS = ("--prompt", "--chat", "--stop")
+
+
+def repeatable(argv: list[str]) -> list[str]:
+    return [f"{arg}+" if arg in REPEATABLE_FLAGS else arg for arg in argv]
 
 
 def main(argv: list[str] | None = None) -> None:
     from jsonargparse import CLI
 
+    argv = repeatable(sys.argv[1:] if argv is None else argv)
     commands = {"generate": generate}
     for name, (module, attr) in EXTRA_COMMANDS.items():
         try:
             commands[name] = getattr(__import__(module, fromlist=[attr]), attr)
         except ImportError as e:  # e.g. the server's extra dependency missing
-            print(f"thunder-batch: '{name}' unavailable: {e}", file=sys.stderr)
+            if importlib.util.find_spec(module) is not None:
+                print(f"thunder-batch: '{name}' unavailable: {e}", file=sys.stderr)
     CLI(commands, args=argv, as_positional=False)
 
 
