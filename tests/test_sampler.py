@@ -191,6 +191,7 @@ def thunder():
     return import_thunder()
 
 
+@pytest.mark.regression
 def test_traced_equals_eager_bit_for_bit_with_one_trace(thunder):
     torch.manual_seed(4)
     jf = thunder.jit(batched_sample)
