@@ -79,3 +79,13 @@ def test_cli_generate_prints_labelled_text(checkpoint):
     assert "[1] The capital of France is" in done.stdout and " Paris" in done.stdout
     assert "[2] What is 2+2?" in done.stdout
     assert "tokens/s" in done.stderr and "tokens/s" not in done.stdout
+
+
+def test_prompt_the_tokenizer_cannot_take_is_a_clear_error(engine):
+    with pytest.raises(ValueError, match="cannot encode"):
+        engine.add_request("lone surrogate \udcff")
+    with pytest.raises(ValueError, match="str or a list of int"):
+        engine.add_request(b"bytes are not text")
+    with pytest.raises(ValueError, match="role"):
+        engine.add_request([{"role": "robot", "content": "hi"}])
+    assert not engine.has_unfinished()

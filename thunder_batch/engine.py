@@ -8,7 +8,7 @@ import random
 from collections.abc import Iterator, Sequence
 
 from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
-from thunder_batch.compile import cache_hits, cache_misses
+from thunder_batch.compile import cache_hits, cache_misses, compile_seconds, disk_cache_hits
 from thunder_batch.config import EngineConfig, SamplingParams
 from thunder_batch.request import GenerationResult, Request, StepOutput
 from thunder_batch.runner import Runner
@@ -79,7 +79,10 @@ class Engine:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give the Engine a tokenizer")
             if not prompt:
                 raise ValueError("prompt is empty")
-            return [int(t) for t in self.tokenizer.encode(prompt).tolist()]
+            try:
+                return [int(t) for t in self.tokenizer.encode(prompt).tolist()]
+            except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
+                raise ValueError(f"the tokenizer cannot encode this prompt: {e}") from e
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
         if not prompt:
@@ -180,14 +183,13 @@ class Engine:
 
     def warmup(self, progress: bool = False) -> dict[int, float]:
         """Compile (or load) the step program for every step width now; seconds per width."""
-        seconds = self.runner.warmup(progress)
-        self._counters["compile_seconds"] = self._counters.get("compile_seconds", 0.0) + sum(seconds.values())
-        return seconds
+        return self.runner.warmup(progress)
 
     def stats(self) -> dict:
         fn = self.runner.step_fn
         misses = cache_misses(fn)
         return dict(self._counters, compiled_programs=misses, cache_misses=misses, cache_hits=cache_hits(fn),
+                    disk_cache_hits=disk_cache_hits(fn), compile_seconds=compile_seconds(fn),
                     step_widths=list(self.config.step_widths), running=self.scheduler.num_running(),
                     waiting=len(self.scheduler.waiting))
 
