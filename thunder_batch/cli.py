@@ -56,14 +56,21 @@ def generate(
 REPEATABLE_FLAGS = ("--prompt", "--chat", "--stop")
 
 
-def repeatable(argv: list[str]) -> list[str]:
-    return [f"{arg}+" if arg in REPEATABLE_FLAGS else arg for arg in argv]
+def normalize_flags(argv: list[str]) -> list[str]:
+    """Accept `--batch-size` as well as `--batch_size`, and repeated list flags."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("-", "_").replace("__", "--", 1) + eq + value
+        out.append(f"{arg}+" if arg in REPEATABLE_FLAGS else arg)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     from jsonargparse import CLI
 
-    argv = repeatable(sys.argv[1:] if argv is None else argv)
+    argv = normalize_flags(sys.argv[1:] if argv is None else argv)
     commands = {"generate": generate}
     for name, (module, attr) in EXTRA_COMMANDS.items():
         try:

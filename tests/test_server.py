@@ -1,0 +1,513 @@
+"""`thunder-batch serve`: OpenAI request parsing and the worker side on a tiny model (fast), then a
+real server process on 127.0.0.1 with the real default model (eager, marked slow), driven by the
+official `openai` client and checked against the engine's offline greedy results."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from thunder_batch.openai_api import CHAT, COMPLETION, APIError, parse_request
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key"
+ENGINE = dict(batch_size=8, max_seq_length=128, prefill_chunk=8)  # the server's and the offline oracle's
+MODEL = "SmolLM2-135M-Instruct"
+STARTUP_TIMEOUT_S = 600  # first run converts the default model
+
+
+def body(**fields) -> bytes:
+    return json.dumps(fields).encode()
+
+
+# -- parsing (no server) ---------------------------------------------------------------------
+def test_parse_chat_defaults_and_text_parts():
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    job = parse_request(body(model="anything", messages=[{"role": "user", "content": parts}]), CHAT)
+    assert job.prompt == [{"role": "user", "content": "Hi there"}]
+    # OpenAI's defaults: temperature 1, and a chat reply may fill the rest of the context (None)
+    assert job.sampling == dict(max_new_tokens=None, temperature=1.0, top_p=1.0, top_k=None, stop=None, seed=None)
+    assert (job.stream, job.include_usage) == (False, False)
+
+
+@pytest.mark.parametrize("prompt, expected", [("abc", "abc"), (["abc"], "abc"), ([1, 2], [1, 2]), ([[4, 5]], [4, 5])])
+def test_parse_completion_prompt_forms(prompt, expected):
+    job = parse_request(body(prompt=prompt), COMPLETION)
+    assert job.prompt == expected and job.sampling["max_new_tokens"] == 16  # OpenAI's completions default
+
+
+def test_parse_completion_sampling_and_stream_options():
+    raw = body(prompt="x", max_tokens=5, temperature=0, top_p=0.5, top_k=-1, stop=".", seed=3, n=1,
+               stream=True, stream_options={"include_usage": True}, presence_penalty=0, user="u")
+    job = parse_request(raw, COMPLETION)
+    assert job.sampling == dict(max_new_tokens=5, temperature=0, top_p=0.5, top_k=None, stop=".", seed=3)
+    assert job.stream and job.include_usage
+
+
+BAD = [  # (kind, raw body, code, param)
+    (CHAT, b"{not json", "invalid_json", None),
+    (CHAT, b"[1, 2]", "invalid_json", None),
+    (CHAT, b"\xff\xfe{}", "invalid_json", None),
+    (CHAT, body(model="m"), "invalid_value", "messages"),
+    (CHAT, body(messages="hi"), "invalid_type", "messages"),
+    (CHAT, body(messages=[{"role": "user", "content": {"x": 1}}]), "invalid_type", "messages"),
+    (CHAT, body(messages=[{"role": "user", "content": "hi"}], presence_penalty=0.5), "unsupported", "presence_penalty"),
+    (COMPLETION, body(prompt=""), "invalid_value", "prompt"),
+    (COMPLETION, body(prompt=["a", "b"]), "invalid_value", "prompt"),
+    (COMPLETION, body(prompt="x", model=3), "invalid_type", "model"),
+    (COMPLETION, body(prompt="x", temperature="hot"), "invalid_type", "temperature"),
+    (COMPLETION, b'{"prompt": "x", "temperature": NaN}', "invalid_type", "temperature"),
+    (COMPLETION, body(prompt="x", max_tokens=1.5), "invalid_type", "max_tokens"),
+    (COMPLETION, body(prompt="x", max_tokens=True), "invalid_type", "max_tokens"),
+    (COMPLETION, body(prompt="x", stream="yes"), "invalid_type", "stream"),
+    (COMPLETION, body(prompt="x", stop=[1, 2]), "invalid_type", "stop"),
+    (COMPLETION, body(prompt="x", stop=[""]), "invalid_value", "stop"),
+    (COMPLETION, body(prompt="x", temperature=-1), "invalid_value", "temperature"),
+    (COMPLETION, body(prompt="x", top_p=0), "invalid_value", "top_p"),
+    (COMPLETION, body(prompt="x", top_k=-5), "invalid_value", "top_k"),
+    (COMPLETION, body(prompt="x", max_tokens=0), "invalid_value", "max_tokens"),
+    (COMPLETION, body(prompt="x", seed=-1), "invalid_value", "seed"),
+    (COMPLETION, body(prompt="x", n=2), "unsupported", "n"),
+]
+
+
+@pytest.mark.parametrize("kind, raw, code, param", BAD)
+def test_parse_rejects_with_openai_error(kind, raw, code, param):
+    with pytest.raises(APIError) as info:
+        parse_request(raw, kind)
+    error = info.value.body()["error"]
+    assert info.value.status == 400
+    assert error == {"message": error["message"], "type": "invalid_request_error", "param": param, "code": code}
+    assert "max_new_tokens" not in error["message"]  # engine names never leak: the client sent max_tokens
+
+
+def request_with(path: str, **headers: str):
+    from starlette.requests import Request
+
+    raw = [(k.replace("_", "-").lower().encode(), v.encode()) for k, v in headers.items()]
+    return Request({"type": "http", "method": "GET", "path": path, "headers": raw, "query_string": b""})
+
+
+def test_check_api_key():
+    from thunder_batch.openai_routes import check_api_key
+
+    check_api_key(request_with("/v1/models"), None)  # no key configured: open
+    check_api_key(request_with("/health"), KEY)  # probes need no key
+    check_api_key(request_with("/v1/models", authorization=f"Bearer {KEY}"), KEY)
+    check_api_key(request_with("/v1/models", x_api_key=KEY), KEY)
+    for headers in [{}, {"authorization": "Bearer nope"}, {"authorization": KEY}, {"x_api_key": "nope"}]:
+        with pytest.raises(APIError) as info:
+            check_api_key(request_with("/v1/models", **headers), KEY)
+        assert (info.value.status, info.value.code) == (401, "invalid_api_key")
+
+
+# -- the worker side on a tiny model (token ids, no tokenizer) ---------------------------------
+def tiny_api(board: dict):
+    from conftest import tiny_gpt
+    from thunder_batch import Engine, EngineConfig
+    from thunder_batch.openai_routes import OpenAIRoutes
+    from thunder_batch.server import EngineAPI
+
+    config = EngineConfig(batch_size=2, max_seq_length=32, prefill_chunk=4, compile="eager")
+    api = EngineAPI("unused", config, OpenAIRoutes("tiny", board, 1000))
+    api.attach(Engine(tiny_gpt("llama"), config))
+    return api
+
+
+def greedy(max_tokens: int | None) -> dict:
+    return dict(max_new_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=None, stop=None, seed=None)
+
+
+def test_engine_api_admits_rejects_and_reports_usage():
+    api = tiny_api({})
+    admitted = api.add_requests([
+        ("a", {"prompt": [1, 2, 3, 4, 5], "sampling": greedy(6)}),
+        ("b", {"prompt": [7] * 30, "sampling": greedy(6)}),  # 30 + 6 > 32
+        ("c", {"prompt": [7] * 40, "sampling": greedy(None)}),  # the prompt alone does not fit
+        ("d", {"prompt": [3, 10**6], "sampling": greedy(2)}),  # the engine's own check
+        ("e", {"prompt": [9, 8], "sampling": greedy(None)}),  # None: the rest of the cache, 30 tokens
+    ])
+    assert [(uid, m["event"], done) for uid, m, done in admitted] == [
+        ("a", "accepted", False), ("b", "error", True), ("c", "error", True), ("d", "error", True),
+        ("e", "accepted", False)]
+    assert admitted[0][1]["prompt_tokens"] == 5
+    errors = {uid: m["error"] for uid, m, _ in admitted if m["event"] == "error"}
+    assert {uid: (e["status"], e["code"], e["param"]) for uid, e in errors.items()} == {
+        "b": (400, "context_length_exceeded", "max_tokens"), "c": (400, "context_length_exceeded", "prompt"),
+        "d": (400, "invalid_value", "prompt")}
+    assert "32" in errors["b"]["message"] and "token ids must be in" in errors["d"]["message"]
+    finals = {}
+    while api.has_active_requests():
+        finals.update({uid: m for uid, m, done in api.step() if done})
+    assert finals == {uid: {"event": "delta", "text": "", "finish_reason": "length", "completion_tokens": n}
+                      for uid, n in [("a", 6), ("e", 30)]}
+    [(_, stats, _)] = api.add_requests([("s", {"stats": True})])
+    assert stats["stats"]["free_slots"] == 2 and stats["stats"]["running"] == 0 and stats["stats"]["in_flight"] == 0
+
+
+def test_engine_api_cancel_board_and_failed_step():
+    board = {}
+    api = tiny_api(board)
+    api.add_requests([(uid, {"prompt": [1, 2, 3], "sampling": greedy(20)}) for uid in "ab"])
+    api.step()
+    board.update(a=time.time(), gone=time.time() - 3600)  # a: its client left; gone: finished long ago
+    assert ("a", {"event": "aborted"}, True) in api.step()
+    assert board == {} and api.engine.scheduler.find("a") is None
+    assert api.engine.stats()["running"] == 1  # b goes on
+    failed = api.fail_all()  # what the loop does when a step raises
+    assert [(uid, m["error"]["status"], done) for uid, m, done in failed] == [("b", 500, True)]
+    assert not api.engine.has_unfinished() and not api.has_active_requests()
+
+
+def test_engine_loop_idles_on_an_event_and_routes_events():
+    import asyncio
+
+    from litserve.utils import LitAPIStatus
+
+    from thunder_batch.server import IDLE_WAIT_S, EngineLoop
+
+    api, loop, steps = tiny_api({}), EngineLoop(), []
+    api.step = lambda: steps.append(1) or []
+
+    async def timed_runs():
+        start = time.perf_counter()
+        await loop.run(api, "cpu", 0, None, None, {}, None)  # nothing to do: waits, never steps
+        idle = time.perf_counter() - start
+        asyncio.get_running_loop().call_later(0.05, loop._wake_event().set)  # what an admission does
+        start = time.perf_counter()
+        await loop.run(api, "cpu", 0, None, None, {}, None)
+        return idle, time.perf_counter() - start
+
+    idle, woken = asyncio.run(timed_runs())
+    assert idle >= 0.9 * IDLE_WAIT_S and woken < 0.5 * IDLE_WAIT_S and steps == []
+
+    sent = []
+
+    class Transport:
+        def send(self, item, consumer_id):
+            sent.append((consumer_id, item[0], item[1][1]))
+
+    loop.response_queue_ids = {"a": 3}
+    loop._send(Transport(), [("a", {}, False), ("a", {}, True), ("unknown", {}, True)])
+    assert sent == [(3, "a", LitAPIStatus.OK), (3, "a", LitAPIStatus.FINISH_STREAMING)]
+    assert loop.response_queue_ids == {}
+
+
+# -- a real server ---------------------------------------------------------------------------
+real_model = pytest.mark.slow  # the real model in a server process: ~2-4 min for all of these here
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, log_path: Path, checkpoint: Path, *args: str):
+        self.port, self.log_path = free_port(), log_path
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "thunder_batch.cli", "serve", "--checkpoint_dir", str(checkpoint),
+               "--compile", "eager", "--port", str(self.port), "--log_level", "warning", *args]
+        # One torch thread: this 2-core machine is shared, and the offline oracle uses one too.
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                child.kill()
+            self.proc.kill()
+            raise
+
+    def client(self, api_key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=600)
+
+    def post(self, path: str, content: bytes, key: str | None = KEY, timeout: float = 120) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(self.url + path, content=content, headers=headers, timeout=timeout)
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=120).json()
+
+    def wait_all_free(self, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while (stats := self.stats())["running"] or stats["waiting"] or stats["in_flight"]:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.5)
+        return stats
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> Path:
+    from thunder_batch.checkpoints import default_checkpoint_dir
+
+    return default_checkpoint_dir(ROOT / "checkpoints")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    args = [f"--{k}={v}" for k, v in ENGINE.items()]
+    srv = Server(tmp_path_factory.mktemp("server") / "server.log", checkpoint, *args, "--api_key", KEY)
+    yield srv
+    if srv.proc.poll() is None:  # the last test stops it itself
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint):
+    """prompts, max_tokens[, stop] -> the engine's own greedy GenerationResults, run in this process."""
+    import torch
+
+    from thunder_batch import Engine, EngineConfig, SamplingParams
+
+    engine = Engine.from_checkpoint(checkpoint, EngineConfig(compile="eager", **ENGINE))
+
+    def expect(prompts: list, max_tokens: int, stop=None):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return engine.generate(prompts, SamplingParams(max_new_tokens=max_tokens, stop=stop))
+        finally:
+            torch.set_num_threads(threads)
+
+    return expect
+
+
+def in_parallel(*calls):
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
+@real_model
+def test_health_and_models(server):
+    assert httpx.get(server.url + "/health").text == "ok"  # open without the key, for load balancers
+    assert [m.id for m in server.client().models.list().data] == [MODEL]
+
+
+@real_model
+def test_completion_equals_offline_greedy(server, offline):
+    prompt = "The capital of France is"
+    [want] = offline([prompt], 8)
+    reply = server.client().completions.create(model="any name", prompt=prompt, max_tokens=8, temperature=0)
+    assert (reply.object, reply.model) == ("text_completion", MODEL)
+    assert reply.choices[0].text == want.text and reply.choices[0].finish_reason == want.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(want.prompt_ids), 8)
+    assert reply.usage.total_tokens == len(want.prompt_ids) + 8
+
+
+@real_model
+def test_completion_stream_stops_at_stop_string(server, offline):
+    prompt = "The capital of France is"
+    [want] = offline([prompt], 8, stop=["."])
+    assert want.finish_reason == "stop" and "." not in want.text
+    chunks = list(server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                                     stop=["."], stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(want.prompt_ids)
+
+
+@real_model
+def test_chat_stream_and_not_equal_offline(server, offline):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    [want] = offline([messages], 6)
+    client = server.client()
+    kw = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    full, chunks = in_parallel(lambda: client.chat.completions.create(**kw),
+                               lambda: list(client.chat.completions.create(**kw, stream=True)))
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == want.text and full.choices[0].finish_reason == want.finish_reason
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(want.prompt_ids), len(want.token_ids))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+@real_model
+def test_seed_top_k_top_p_reach_the_sampler(server, offline):
+    prompt = "Once upon a time"
+    [greedy] = offline([prompt], 6)
+    client = server.client()
+
+    def text(**kw) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, **kw).choices[0].text
+
+    seeded_a, seeded_b, top_k_1, tiny_top_p = in_parallel(
+        lambda: text(temperature=1.5, seed=7), lambda: text(temperature=1.5, seed=7),
+        lambda: text(temperature=1.5, extra_body={"top_k": 1}), lambda: text(temperature=1.5, top_p=1e-6))
+    assert seeded_a == seeded_b  # the same seed gives the same text, whatever the batch
+    assert top_k_1 == tiny_top_p == greedy.text
+
+
+@real_model
+def test_example_client(server, offline):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    [want] = offline([messages], 4)
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "openai_client.py"), "--base-url",
+                          server.url + "/v1", "--api-key", KEY, "--max-tokens", "4"],
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0] == f"model: {MODEL}"
+    assert lines[1].startswith(f"chat: {want.text!r} (finish_reason={want.finish_reason}")
+    assert lines[2].startswith("stream: Once upon a time") and len(lines[2]) > len("stream: Once upon a time")
+
+
+HTTP_BAD = [  # (path, raw body, status, code, param): the last four are caught by the worker's tokenizer
+    ("/v1/chat/completions", b"{oops", 400, "invalid_json", None),
+    ("/v1/completions", body(model=MODEL), 400, "invalid_value", "prompt"),
+    ("/v1/completions", body(prompt="hi", temperature="hot"), 400, "invalid_type", "temperature"),
+    ("/v1/completions", body(prompt="hi", top_p=1.5), 400, "invalid_value", "top_p"),
+    ("/v1/completions", b" " * 1_000_001, 413, "request_too_large", None),
+    ("/v1/completions", body(prompt="word " * 200), 400, "context_length_exceeded", "prompt"),
+    ("/v1/completions", body(prompt="hi", max_tokens=200), 400, "context_length_exceeded", "max_tokens"),
+    ("/v1/completions", body(prompt=[10**9]), 400, "invalid_value", "prompt"),
+    ("/v1/chat/completions", body(messages=[{"role": "robot", "content": "hi"}]), 400, "invalid_value", "messages"),
+]
+
+
+@real_model
+def test_bad_input_gets_4xx_and_others_keep_going(server, offline):
+    prompt = "The capital of France is"
+    [want] = offline([prompt], 8)
+    client = server.client()
+
+    def good() -> str:
+        return "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True))
+
+    def bad() -> list:
+        return in_parallel(*[lambda path=path, raw=raw: server.post(path, raw) for path, raw, *_ in HTTP_BAD])
+
+    text, responses = in_parallel(good, bad)
+    assert text == want.text  # a request in flight is undisturbed by the rejected ones
+    for (path, _, status, code, param), r in zip(HTTP_BAD, responses):
+        assert r.status_code == status, (path, r.text)
+        error = r.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param), error
+        assert error["message"]
+    assert server.wait_all_free()["free_slots"] == ENGINE["batch_size"]
+
+
+@real_model
+def test_api_key(server):
+    for headers in [{}, {"Authorization": "Bearer wrong"}]:
+        r = httpx.get(server.url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert server.post("/v1/completions", body(prompt="hi"), key=None).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    assert httpx.get(server.url + "/v1/models", headers={"X-API-Key": KEY}).status_code == 200
+
+
+@real_model
+def test_disconnect_aborts_and_frees_slots(server):
+    client = server.client()
+    before = server.stats()["generated_tokens"]
+
+    def start_stream(i: int):
+        stream = client.completions.create(model=MODEL, prompt=f"Count to a hundred: {i},", max_tokens=100,
+                                           temperature=0, stream=True)
+        next(iter(stream))  # it is generating
+        return stream
+
+    streams = in_parallel(*[lambda i=i: start_stream(i) for i in range(ENGINE["batch_size"])])
+    for stream in streams:
+        stream.close()  # hang up mid-stream
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up waiting
+        server.post("/v1/completions", body(prompt="Count: 1,", max_tokens=100, temperature=0), timeout=3)
+    stats = server.wait_all_free(timeout=60)
+    assert stats["free_slots"] == ENGINE["batch_size"]
+    # Nine requests asked for 900 tokens; the hang-ups stopped them long before.
+    assert stats["generated_tokens"] - before < 300
+
+
+@real_model
+def test_16_clients_100_requests(server, offline):
+    max_tokens = 6
+    texts = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Water boils at", "My favourite colour is"]
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}]
+             for q in ("Name a fruit.", "What is 2+2?")]
+    wants = offline(texts + chats, max_tokens)
+    client = server.client()
+
+    def run(i: int):
+        k = i % len(wants)
+        prompt, stream = (texts + chats)[k], i % 2 == 1
+        if k < len(texts):
+            kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=stream)
+            if not stream:
+                r = client.completions.create(**kw)
+                return k, r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+            chunks = list(client.completions.create(**kw, stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            return k, text, chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens
+        kw = dict(model=MODEL, messages=prompt, max_tokens=max_tokens, temperature=0, stream=stream)
+        if not stream:
+            r = client.chat.completions.create(**kw)
+            return k, r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+        chunks = list(client.chat.completions.create(**kw, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return k, text, chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, range(100)))
+    for k, text, finish_reason, completion_tokens in results:
+        want = wants[k]
+        assert (text, finish_reason, completion_tokens) == (want.text, want.finish_reason, len(want.token_ids)), k
+    stats = server.wait_all_free(timeout=10)
+    assert stats["free_slots"] == ENGINE["batch_size"] and stats["finished_requests"] >= 100
+
+
+@real_model
+def test_idle_does_not_spin_and_sigterm_stops_every_process(server):
+    """Runs last: it stops the shared server."""
+    main = psutil.Process(server.proc.pid)
+    family = [main, *main.children(recursive=True)]
+    assert len(family) >= 4  # main, HTTP server, inference worker, queue managers
+    listening = {tuple(c.laddr) for c in main.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert listening == {("127.0.0.1", server.port)}  # the default host: this machine only
+    server.wait_all_free()
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in family if p.is_running())
+
+    time.sleep(1)
+    start = cpu_seconds()
+    time.sleep(4)
+    assert cpu_seconds() - start < 0.4, "an idle server must not spin"  # a spinning loop burns ~4 s here
+    assert server.stop() == 0
+    _, alive = psutil.wait_procs(family[1:], timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
