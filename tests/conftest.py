@@ -78,6 +78,21 @@ def mixed_prompts(n: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def fresh_compile_cache(tmp_path_factory):
+    """Every test session compiles into its own cache dir, never the user's ./compile_cache: tests
+    that count traces or inspect them must see this session's programs."""
+    import os
+
+    previous = os.environ.get("THUNDER_BATCH_CACHE_DIR")
+    os.environ["THUNDER_BATCH_CACHE_DIR"] = str(tmp_path_factory.mktemp("compile_cache"))
+    yield
+    if previous is None:
+        os.environ.pop("THUNDER_BATCH_CACHE_DIR")
+    else:
+        os.environ["THUNDER_BATCH_CACHE_DIR"] = previous
+
+
 ENGINE_CONFIG = dict(batch_size=4, max_seq_length=64, prefill_chunk=8)
 
 

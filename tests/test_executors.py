@@ -1,0 +1,186 @@
+"""Executor choice and CUDA graphs: selection errors anywhere, greedy parity with eager through
+Engine.generate per executor (the trace shows who claimed the ops), and the CUDA-only paths, which
+skip with a reason on machines without an NVIDIA GPU.
+
+Tracing is the slow part (tens of seconds per step shape on a 2-core CPU): the models are 1-layer,
+each traced engine is built once per module, and the torchcompile one uses a single step width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import mixed_prompts, tiny_gpt
+from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch import compile as tb_compile
+from thunder_batch.compile import (KNOWN_EXECUTORS, cache_misses, compile_options, executor_availability,
+                                   executor_claims, fusion_regions, last_execution_trace)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs an NVIDIA GPU: torch.cuda.is_available() is False here")
+
+SHAPE = dict(batch_size=2, max_seq_length=32, prefill_chunk=4)
+LENGTHS = [1, 3, 6, 9, 2]  # 5 prompts through 2 slots: slots reused, prompts chunked and padded
+PARAMS = SamplingParams(max_new_tokens=5)
+
+
+def tiny(device: str = "cpu"):
+    return tiny_gpt("llama", n_layer=1).to(device)
+
+
+def greedy_tokens(engine: Engine, prompts) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(prompts, PARAMS)]
+
+
+def eager_tokens(prompts, device: str = "cpu", **shape) -> list[list[int]]:
+    engine = Engine(tiny(device), EngineConfig(compile="eager", **(shape or SHAPE)))
+    return greedy_tokens(engine, prompts)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_compile_cache(tmp_path_factory):
+    """Every engine here traces (a stored program from an earlier run would hide the trace)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("THUNDER_BATCH_CACHE_DIR", str(tmp_path_factory.mktemp("compile_cache")))
+        yield
+
+
+# -- selection: no tracing ------------------------------------------------------------------------
+def test_unknown_executor_is_rejected_with_the_choices():
+    with pytest.raises(ValueError, match=r"unknown executor\(s\) \['nvfusr'\]") as info:
+        Engine(tiny(), EngineConfig(executors=("nvfusr", "torch"), **SHAPE))
+    for name in KNOWN_EXECUTORS:
+        assert repr(name) in str(info.value)
+
+
+def test_empty_executor_list_is_rejected():
+    with pytest.raises(ValueError, match="executors is empty"):
+        Engine(tiny(), EngineConfig(executors=(), **SHAPE))
+
+
+def test_unavailable_nvfuser_is_reported():
+    why = executor_availability()["nvfuser"]
+    if why is None:
+        pytest.skip("nvFuser is usable on this machine")
+    assert "nvFuser" in why
+    with pytest.raises(ValueError, match="not available here: nvfuser: nvFuser is") as info:
+        Engine(tiny(), EngineConfig(executors=("nvfuser", "torch"), **SHAPE))
+    assert "Available here: [" in str(info.value) and "'torch'" in str(info.value)
+
+
+@pytest.mark.regression
+def test_thunder_registers_the_executors_we_name():
+    """torch, python, sdpa and torchcompile are Thunder executors under these names on any torch we
+    pin; a renamed or dropped executor shows up here first."""
+    availability = executor_availability()
+    assert set(availability) == set(KNOWN_EXECUTORS)
+    for name in ("torch", "python", "sdpa", "torchcompile"):
+        assert availability[name] is None, f"{name}: {availability[name]}"
+
+
+@pytest.mark.regression
+def test_compile_options_enable_nvfuser_scatter_and_cuda_graphs(monkeypatch):
+    from thunder.transforms.cudagraph import CUDAGraphTransform
+
+    monkeypatch.setattr(tb_compile, "resolve_executors", lambda names: list(names))  # nvFuser needs no GPU here
+    options = compile_options(EngineConfig(executors=("nvfuser", "torch"), cuda_graphs=True))
+    assert options["executors"] == ["nvfuser", "torch"]
+    assert options["nv_enable_scatter"] is True
+    assert [type(t) for t in options["transforms"]] == [CUDAGraphTransform]
+    plain = compile_options(EngineConfig(executors=("torchcompile", "torch")))
+    assert "nv_enable_scatter" not in plain and "transforms" not in plain
+    assert compile_options(EngineConfig()) == {}
+
+
+def test_executors_and_cuda_graphs_need_thunder():
+    with pytest.raises(ValueError, match="need compile='thunder'"):
+        Engine(tiny(), EngineConfig(compile="eager", cuda_graphs=True, **SHAPE))
+    with pytest.raises(ValueError, match="need compile='thunder'"):
+        Engine(tiny(), EngineConfig(compile="eager", executors=("torch",), **SHAPE))
+
+
+def test_cuda_graphs_need_a_cuda_device():
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device; it is on cpu"):
+        Engine(tiny(), EngineConfig(cuda_graphs=True, **SHAPE))
+
+
+# -- parity per executor (traced) ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts(len(LENGTHS), LENGTHS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def eager_reference(prompts):
+    return eager_tokens(prompts)
+
+
+@pytest.fixture(scope="module")
+def torch_engine():
+    return Engine(tiny(), EngineConfig(executors=("torch",), **SHAPE))
+
+
+@pytest.mark.regression
+def test_torch_executor_matches_eager(torch_engine, prompts, eager_reference):
+    assert greedy_tokens(torch_engine, prompts) == eager_reference
+    assert cache_misses(torch_engine.runner.step_fn) == len(torch_engine.config.step_widths)
+
+
+@pytest.mark.regression
+def test_torch_executor_claims_every_op(torch_engine, prompts):
+    if cache_misses(torch_engine.runner.step_fn) == 0:
+        greedy_tokens(torch_engine, prompts[:1])
+    trace = last_execution_trace(torch_engine.runner.step_fn)
+    claims = executor_claims(trace)
+    assert set(claims) == {"torch"}, claims  # sdpa was not listed, so torch runs the attention too
+    assert fusion_regions(trace) == []
+
+
+@pytest.mark.regression
+def test_torchcompile_executor_matches_eager(prompts):
+    """One step width (chunk 1) keeps Inductor's CPU compile to about a minute."""
+    shape = dict(SHAPE, prefill_chunk=1)
+    engine = Engine(tiny(), EngineConfig(executors=("torchcompile", "torch"), **shape))
+    assert greedy_tokens(engine, prompts) == eager_tokens(prompts, **shape)
+    assert cache_misses(engine.runner.step_fn) == 1
+    trace = last_execution_trace(engine.runner.step_fn)
+    assert executor_claims(trace).get("torchcompile", 0) >= 1, executor_claims(trace)
+    assert any(name.startswith("TorchCompile") for name in fusion_regions(trace)), fusion_regions(trace)
+
+
+# -- CUDA only ------------------------------------------------------------------------------------
+def kv_buffers(engine: Engine) -> list[torch.Tensor]:
+    return [t for block in engine.runner.gpt.transformer.h for t in (block.attn.kv_cache.k, block.attn.kv_cache.v)]
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.regression
+@pytest.mark.parametrize("executors", [None, ("torchcompile", "torch")], ids=["default", "torchcompile"])
+def test_cuda_graphs_match_eager_with_the_cache_written_in_place(executors, prompts):
+    engine = Engine(tiny("cuda"), EngineConfig(executors=executors, cuda_graphs=True, **SHAPE))
+    pointers = [b.data_ptr() for b in kv_buffers(engine)]
+    eager = Engine(tiny("cuda"), EngineConfig(compile="eager", **SHAPE))
+    assert greedy_tokens(engine, prompts) == greedy_tokens(eager, prompts)
+    assert cache_misses(engine.runner.step_fn) == len(engine.config.step_widths)
+    assert any(name.startswith("CUDAGraph") for name in fusion_regions(last_execution_trace(engine.runner.step_fn)))
+    # Captured in place: same storage as before, and holding what eager wrote (same requests, same slots).
+    assert [b.data_ptr() for b in kv_buffers(engine)] == pointers
+    for got, want in zip(kv_buffers(engine), kv_buffers(eager)):
+        torch.testing.assert_close(got[..., :SHAPE["max_seq_length"], :], want[..., :SHAPE["max_seq_length"], :])
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.regression
+def test_nvfuser_matches_eager_and_fuses_the_cache_scatter(prompts):
+    why = executor_availability()["nvfuser"]
+    if why is not None:
+        pytest.skip(f"nvFuser unavailable: {why}")
+    engine = Engine(tiny("cuda"), EngineConfig(executors=("nvfuser", "torch"), **SHAPE))
+    assert greedy_tokens(engine, prompts) == eager_tokens(prompts, "cuda")
+    trace = last_execution_trace(engine.runner.step_fn)
+    assert any(name.startswith("nvFusion") for name in fusion_regions(trace)), fusion_regions(trace)
+    unfused = [b.sym.name for b in trace.bound_symbols if not b.sym.is_fusion]
+    assert not [n for n in unfused if n.startswith("scatter")], "nv_enable_scatter=True should fuse the KV write"
