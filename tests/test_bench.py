@@ -1,0 +1,155 @@
+"""The benchmark on tiny litgpt models: workloads, metrics, token checks, JSON, plot, eager and Thunder."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from conftest import tiny_gpt
+from thunder_batch import bench
+from thunder_batch.bench_report import compare_tokens
+from thunder_batch.bench_workloads import build_workload, load_prompts, poisson_arrivals, same_length_groups
+from thunder_batch.metrics import ModelCost, RequestTrace, summary
+
+QUICK = dict(dataset="random", input_len=10, range_ratio=0.5, ignore_eos=True, progress=False,
+             matmul_n=128, copy_mb=4)
+
+
+def test_shipped_prompts_are_real_and_varied():
+    prompts = load_prompts()
+    assert 60 <= len(prompts) <= 70 and len(set(prompts)) == len(prompts)
+    lengths = sorted(len(p) for p in prompts)
+    assert lengths[0] < 40 and lengths[-1] > 600  # short questions and long instructions
+    assert sum(p.endswith("?") for p in prompts) >= 15
+
+
+def test_workload_is_seeded_with_lengths_in_range():
+    make = lambda seed: build_workload("random", 20, 16, seed=seed, input_len=10, range_ratio=0.5, vocab_size=256)  # noqa: E731
+    a, b, c = make(0), make(0), make(1)
+    assert a == b and a != c
+    assert all(5 <= len(r.prompt_ids) <= 15 and 8 <= r.max_new_tokens <= 16 for r in a)
+    assert all(r.arrival_s == 0 for r in a)
+    encode = lambda s: [ord(ch) % 256 for ch in s]  # noqa: E731
+    texts = build_workload("prompts", 70, 8, encode=encode)
+    assert len({r.prompt_ids for r in texts}) == 64  # cycled past the 64 shipped prompts
+    cut = build_workload("prompts", 70, 8, encode=encode, max_seq_length=100)
+    assert max(len(r.prompt_ids) + r.max_new_tokens for r in cut) <= 100  # long prompts cut to fit
+    with pytest.raises(ValueError, match="tokenizer"):
+        build_workload("prompts", 2, 4)
+
+
+def test_poisson_arrivals_and_same_length_groups():
+    times = poisson_arrivals(random.Random(0), 2000, request_rate=20.0)
+    assert times == sorted(times) and abs(times[-1] / 2000 - 1 / 20) < 0.005
+    workload = build_workload("random", 9, 4, input_len=3, range_ratio=0.0, vocab_size=50)
+    assert [len(g) for g in same_length_groups(workload, 4)] == [4, 4, 1]
+
+
+def test_request_trace_latencies():
+    t = RequestTrace(prompt_len=5, arrival=10.0)
+    for now in (10.5, 10.7, 11.0, 11.5):
+        t.record([1], now)
+    assert t.ttft == pytest.approx(0.5) and t.e2e == pytest.approx(1.5)
+    assert t.tpot == pytest.approx(1.0 / 3) and t.itls() == pytest.approx([0.2, 0.3, 0.5])
+    s = summary([1.0, 2.0, 3.0, None, 4.0])
+    assert s["n"] == 4 and s["mean"] == 2.5 and s["p50"] == 2.5 and s["p99"] == pytest.approx(3.97)
+    assert math.isnan(summary([])["mean"])
+
+
+def test_flop_count_closed_form_matches_per_token_sum():
+    cost = ModelCost.of(tiny_gpt("llama"))
+    assert cost.block_linear_params == 2 * (64 * 128 + 64 * 64 + 2 * 64 * 128 + 128 * 64)  # qkv, proj, fc_1/2, fc
+    assert cost.span_flops(7, 5) == sum(cost.token_flops(p) for p in range(7, 12))
+    assert cost.request_flops(4, 3) == cost.span_flops(0, 6) + 3 * 2 * cost.lm_head_params
+
+
+def test_compare_tokens_reports_the_first_divergence():
+    ok = compare_tokens([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]])
+    assert ok["mismatched_requests"] == 0 and ok["first_mismatch"] is None
+    bad = compare_tokens([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 9, 9]])
+    assert bad["mismatched_requests"] == 1
+    assert bad["first_mismatch"] == dict(request=1, position=1, expected=[5], got=[9, 9], expected_len=2, got_len=3)
+
+
+def test_parse_options():
+    assert bench.parse_batch_sizes("16,1, 4,4") == [1, 4, 16] and bench.parse_batch_sizes(8) == [8]
+    with pytest.raises(ValueError, match="batch"):
+        bench.parse_batch_sizes("4,x")
+    with pytest.raises(ValueError, match="unknown system"):
+        bench.parse_systems("eager,vllm")
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_function_arguments(bench.bench)
+    assert parser.parse_args(["--batch_size", "1,4,8"]).batch_size == "1,4,8"
+    assert bench.parse_batch_sizes(parser.parse_args(["--batch_size", "8"]).batch_size) == [8]
+
+
+def test_eager_and_litgpt_baselines_end_to_end(tmp_path):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = bench.run_benchmark(tiny_gpt("llama"), num_requests=6, max_new_tokens=5, batch_size="1,3",
+                                 prefill_chunk=4, systems="litgpt-sequential,litgpt-batched,eager",
+                                 output_json=out_json, plot=out_png, **QUICK)
+    runs = {(m["system"], m["batch_size"]): m for m in result["runs"]}
+    assert set(runs) == {("litgpt-sequential", None), ("litgpt-batched", 1), ("litgpt-batched", 3), ("eager", 1),
+                         ("eager", 3)}
+    workload = result["workload"]
+    for m in runs.values():
+        # ignore_eos: every request produces exactly its limit
+        assert m["output_tokens"] == 6 * workload["max_new_tokens_mean"] and m["requests"] == 6
+        assert m["output_tokens_per_s"] > 0 and m["ttft_ms"]["n"] == 6 and m["ttft_ms"]["p99"] >= m["ttft_ms"]["p50"]
+        assert m.get("token_check", {"mismatched_requests": 0})["mismatched_requests"] == 0
+    assert result["token_reference"] == "eager@B=1"
+    assert 0 < runs[("eager", 3)]["slot_occupancy"] <= 1 and runs[("eager", 1)]["slot_occupancy"] == 1
+    assert runs[("eager", 3)]["decode"]["peak_matmul_fraction"] > 0
+    assert "same-length prompts only" in runs[("litgpt-batched", 3)]["notes"][0]
+    assert set(result["speedup_vs_litgpt_sequential"]) == {"B=1", "B=3"}
+    saved = json.loads(out_json.read_text())
+    assert {"meta", "workload", "peaks", "runs", "targets", "speedup_vs_litgpt_sequential", "skipped"} <= set(saved)
+    assert saved["meta"]["versions"]["torch"] and saved["peaks"]["matmul_flops_per_s"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_perturbed_baseline_is_reported(monkeypatch):
+    original = bench.run_system
+
+    def perturbed(name, *args):
+        run = original(name, *args)
+        if name == "litgpt-sequential":
+            run.traces[2].token_ids[1] = (run.traces[2].token_ids[1] + 1) % 256
+        return run
+
+    monkeypatch.setattr(bench, "run_system", perturbed)
+    result = bench.run_benchmark(tiny_gpt("llama"), num_requests=4, max_new_tokens=4, batch_size="2",
+                                 prefill_chunk=4, systems="litgpt-sequential,eager", **QUICK)
+    check = next(m for m in result["runs"] if m["system"] == "litgpt-sequential")["token_check"]
+    assert check["mismatched_requests"] == 1
+    assert check["first_mismatch"]["request"] == 2 and check["first_mismatch"]["position"] == 1
+
+
+def test_online_arrivals_drive_add_request_and_step():
+    result = bench.run_benchmark(tiny_gpt("llama"), num_requests=4, max_new_tokens=3, batch_size="2",
+                                 prefill_chunk=4, request_rate=40.0, systems="litgpt-batched,eager", **QUICK)
+    assert "offline workloads only" in result["skipped"]["litgpt-batched"]
+    (run,) = result["runs"]
+    assert result["workload"]["mode"].startswith("online") and result["workload"]["last_arrival_s"] > 0
+    assert run["output_tokens"] == 4 * result["workload"]["max_new_tokens_mean"] and run["ttft_ms"]["mean"] > 0
+
+
+def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
+    # prefill_chunk=1: one step width, so one trace (tracing is the slow part on this CPU)
+    result = bench.run_benchmark(tiny_gpt("llama", n_layer=1), num_requests=3, max_new_tokens=4, batch_size="2",
+                                 prefill_chunk=1, systems="eager,thunder-torch,thunder-nvfuser", profile=True,
+                                 **QUICK)
+    thunder = next(m for m in result["runs"] if m["system"] == "thunder-torch")
+    assert thunder["token_check"]["mismatched_requests"] == 0
+    assert thunder["output_tokens"] == 3 * result["workload"]["max_new_tokens_mean"] > 0
+    assert thunder["compile"]["cold_s"] > 0 and thunder["compile"]["traced"] == 1
+    assert thunder["compile"]["disk_cache_hits"] == 1 and thunder["compile"]["warm_s"] < thunder["compile"]["cold_s"]
+    assert thunder["recompiled"] is False and thunder["profile"]["top_ops"]
+    assert "speedup" in thunder and "vs_eager" in thunder["speedup"]
+    if "thunder-nvfuser" in result["skipped"]:
+        assert "unavailable" in result["skipped"]["thunder-nvfuser"]

@@ -1,0 +1,242 @@
+"""`thunder-batch bench`: the engine against litgpt's own loops, same prompts, same weights, one run.
+
+Workloads and baselines live in bench_workloads / bench_baselines / bench_engine; numbers, checks and
+targets in bench_report; the table and plot in bench_output. This module parses options and runs it all.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+ALL_SYSTEMS = ("litgpt-sequential", "litgpt-batched", "eager", "thunder-torch", "thunder-torchcompile",
+               "thunder-nvfuser")
+
+
+def bench(
+    checkpoint_dir: Path | None = None,
+    dataset: Literal["prompts", "random"] = "prompts",
+    num_requests: int = 32,
+    max_new_tokens: int = 64,
+    input_len: int = 128,
+    range_ratio: float = 0.5,
+    batch_size: str = "8",
+    prefill_chunk: int = 64,
+    max_seq_length: int | None = None,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    systems: str = ",".join(ALL_SYSTEMS),
+    precision: Literal["float32", "bfloat16"] = "float32",
+    device: str = "cpu",
+    cache_dir: Path | None = None,
+    warm_compile: bool = True,
+    profile: bool = False,
+    output_json: Path | None = None,
+    plot: Path | None = None,
+    progress: bool = True,
+) -> None:
+    """Benchmark the engine (eager and under Thunder per executor) against litgpt's generate_fn and
+    batched_generate_fn on the same requests and weights; greedy tokens are checked across systems.
+
+    Args:
+        checkpoint_dir: A litgpt checkpoint dir. Default: SmolLM2-135M-Instruct from ./checkpoints.
+        dataset: "prompts": the shipped real prompts (chat template applied); "random": random token ids.
+        num_requests: Number of requests (N).
+        max_new_tokens: Most tokens per request; each request's limit is drawn uniformly from
+            [max_new_tokens * (1 - range_ratio), max_new_tokens].
+        input_len: Mean prompt length of the random dataset.
+        range_ratio: Spread of the seeded length distributions (0: all lengths equal).
+        batch_size: Engine slots B, or a sweep such as "1,4,8,16".
+        prefill_chunk: Prompt tokens a slot feeds per step (C).
+        max_seq_length: KV cache length per slot; None fits the workload (rounded up to 64).
+        request_rate: Requests per second of a Poisson arrival process; inf sends all at once (offline).
+        seed: Seed of the workload (lengths, random tokens, prompt order, arrival times).
+        ignore_eos: Generate exactly each request's token limit, ignoring the end-of-sequence token.
+        systems: Comma-separated systems to run, from litgpt-sequential, litgpt-batched, eager,
+            thunder-torch, thunder-torchcompile, thunder-nvfuser.
+        precision: Weights and KV cache dtype.
+        device: "cpu" or "cuda".
+        cache_dir: Compile cache root; None uses a fresh temporary dir so cold compile is a real trace.
+        warm_compile: Also time a second engine loading the compiled programs from the compile cache.
+        profile: Profile one decode step of every engine run (top ops by self time).
+        output_json: Write every number, versions and machine info here.
+        plot: Write a PNG here: tokens/s vs batch size per system, and the TTFT distribution.
+        progress: tqdm progress bars on stderr.
+    """
+    import torch
+
+    from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
+    from thunder_batch.chat import prompt_style_for
+
+    checkpoint_dir = default_checkpoint_dir() if checkpoint_dir is None else checkpoint_dir
+    dtype = dict(float32=torch.float32, bfloat16=torch.bfloat16)[precision]
+    gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=dtype, device=device)
+    options = {k: v for k, v in locals().items() if k in RUN_OPTIONS}
+    run_benchmark(gpt, tokenizer, prompt_style_for(config, checkpoint_dir),
+                  model_label=f"{Path(checkpoint_dir).name} {precision}", **options)
+
+
+RUN_OPTIONS = ("dataset", "num_requests", "max_new_tokens", "input_len", "range_ratio", "batch_size", "prefill_chunk",
+               "max_seq_length", "request_rate", "seed", "ignore_eos", "systems", "cache_dir", "warm_compile",
+               "profile", "output_json", "plot", "progress")
+
+
+def parse_batch_sizes(value) -> list[int]:
+    """"1,4,8,16", 8 or [1, 4] -> sorted distinct positive ints."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    try:
+        sizes = sorted({int(str(v).strip()) for v in items if str(v).strip()})
+    except ValueError:
+        raise ValueError(f"batch_size must be an int or a comma-separated list of ints, got {value!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {value!r}")
+    return sizes
+
+
+def parse_systems(value) -> list[str]:
+    names = list(value) if isinstance(value, (list, tuple)) else [s.strip() for s in str(value).split(",") if s.strip()]
+    unknown = [n for n in names if n not in ALL_SYSTEMS]
+    if unknown or not names:
+        raise ValueError(f"unknown system(s) {unknown}; choose from {list(ALL_SYSTEMS)}")
+    return list(dict.fromkeys(names))
+
+
+def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
+    """system -> why it cannot run here (missing executor, or offline-only baseline in an online run)."""
+    from thunder_batch.bench_engine import ENGINE_SYSTEMS
+
+    skipped = {}
+    if online and "litgpt-batched" in systems:
+        skipped["litgpt-batched"] = "batched_generate_fn has no arrivals: offline workloads only"
+    thunder = [s for s in systems if s.startswith("thunder-")]
+    if thunder:
+        from thunder_batch.compile import executor_availability
+
+        availability = executor_availability()
+        for s in thunder:
+            missing = [f"{n}: {availability[n]}" for n in ENGINE_SYSTEMS[s] if availability.get(n)]
+            if missing:
+                skipped[s] = "unavailable: " + "; ".join(missing)
+    return skipped
+
+
+def run_system(name: str, gpt, workload, batch_size: int | None, ctx):
+    """One system on the workload (module-level so tests can wrap it)."""
+    from thunder_batch import bench_baselines, bench_engine
+
+    if name == "litgpt-sequential":
+        return bench_baselines.run_litgpt_sequential(gpt, workload, ctx)
+    if name == "litgpt-batched":
+        return bench_baselines.run_litgpt_batched(gpt, workload, batch_size, ctx)
+    return bench_engine.run_engine(gpt, workload, name, batch_size, ctx)
+
+
+def make_workload(gpt, tokenizer, prompt_style, opts: dict):
+    from thunder_batch.bench_workloads import build_workload, fitted_max_seq_length
+    from thunder_batch.chat import apply_chat
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(apply_chat(prompt_style, [dict(role="user", content=text)])).tolist()
+    limit = opts["max_seq_length"] or gpt.config.block_size
+    workload = build_workload(opts["dataset"], opts["num_requests"], opts["max_new_tokens"], seed=opts["seed"],
+                              input_len=opts["input_len"], range_ratio=opts["range_ratio"],
+                              request_rate=opts["request_rate"], vocab_size=gpt.config.padded_vocab_size,
+                              encode=None if tokenizer is None else encode, max_seq_length=limit)
+    max_seq_length = opts["max_seq_length"] or min(fitted_max_seq_length(workload), gpt.config.block_size)
+    return workload, max_seq_length
+
+
+def run_benchmark(gpt, tokenizer=None, prompt_style=None, model_label: str = "model", **opts) -> dict:
+    """Run the benchmark on a loaded litgpt GPT (tokenizer may be None with dataset="random"); returns the
+    result dict that --output-json writes. Options are `bench`'s arguments, minus model loading."""
+    opts = {**DEFAULTS, **opts}
+    sizes, systems = parse_batch_sizes(opts["batch_size"]), parse_systems(opts["systems"])
+    workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, opts)
+    ctx = make_context(gpt, tokenizer, opts, max_seq_length)
+    skipped = unavailable_systems(systems, online=not math.isinf(opts["request_rate"]))
+    peaks = measure_peaks(ctx.device, opts["matmul_n"], opts["copy_mb"])
+    started = time.time()
+    runs = []
+    for name in [s for s in systems if s not in skipped]:
+        for B in ([None] if name == "litgpt-sequential" else sizes):
+            runs.append(run_system(name, gpt, workload, B, ctx))
+            if opts["output_json"]:  # partial results survive an interrupted run
+                write_result(runs, gpt, workload, ctx, opts, peaks, skipped, model_label, started)
+    result = write_result(runs, gpt, workload, ctx, opts, peaks, skipped, model_label, started)
+    emit(result, opts)
+    return result
+
+
+def write_result(runs, gpt, workload, ctx, opts, peaks, skipped, model_label, started) -> dict:
+    from thunder_batch.bench_report import machine_info, write_json
+
+    result = assemble(runs, gpt, workload, ctx, opts, peaks, skipped, model_label)
+    result["meta"] = dict(machine_info(ctx.device), started_unix=started, duration_s=time.time() - started,
+                          command=" ".join(sys.argv))
+    if opts["output_json"]:
+        write_json(result, opts["output_json"])
+    return result
+
+
+DEFAULTS = dict(dataset="prompts", num_requests=32, max_new_tokens=64, input_len=128, range_ratio=0.5,
+                batch_size="8", prefill_chunk=64, max_seq_length=None, request_rate=math.inf, seed=0,
+                ignore_eos=False, systems=",".join(ALL_SYSTEMS), cache_dir=None, warm_compile=True,
+                profile=False, output_json=None, plot=None, progress=True,
+                matmul_n=2048, copy_mb=256)  # sizes of the peak-rate measurements (small in tests)
+
+
+def make_context(gpt, tokenizer, opts: dict, max_seq_length: int):
+    from thunder_batch.bench_baselines import BenchContext
+
+    return BenchContext(device=gpt.lm_head.weight.device, max_seq_length=max_seq_length,
+                        prefill_chunk=min(opts["prefill_chunk"], max_seq_length),
+                        eos_id=getattr(tokenizer, "eos_id", None), ignore_eos=opts["ignore_eos"], tokenizer=tokenizer,
+                        progress=opts["progress"], cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
+                        warm_compile=opts["warm_compile"], profile=opts["profile"])
+
+
+def measure_peaks(device, matmul_n: int = 2048, copy_mb: int = 256) -> dict:
+    from thunder_batch.metrics import measure_copy_bandwidth, measure_peak_matmul_flops
+
+    return dict(matmul_flops_per_s=measure_peak_matmul_flops(device, n=matmul_n),
+                copy_bytes_per_s=measure_copy_bandwidth(device, nbytes=copy_mb * 2**20),
+                matmul_shape=f"{matmul_n}x{matmul_n}x{matmul_n} fp32", copy_bytes=copy_mb * 2**20)
+
+
+def assemble(runs, gpt, workload, ctx, opts, peaks, skipped, model_label) -> dict:
+    from thunder_batch import bench_report as report
+    from thunder_batch.bench_workloads import describe
+    from thunder_batch.metrics import ModelCost
+
+    cost = ModelCost.of(gpt)
+    # Each decode step's attention reads every slot's whole K and V buffers (masked, not cut).
+    kv_bytes = 2 * cost.n_layer * cost.kv_width * (ctx.max_seq_length + ctx.prefill_chunk) \
+        * gpt.lm_head.weight.element_size()
+    metrics = [report.run_metrics(r, cost, peaks, kv_bytes) for r in runs]
+    reference = report.check_all(runs, metrics)
+    table = report.speedups(metrics)
+    mode = "offline" if math.isinf(opts["request_rate"]) else f"online {opts['request_rate']} req/s"
+    label = f"{model_label}, {opts['dataset']}, {len(workload)} requests, {mode}"
+    return dict(workload=dict(describe(workload), label=label, dataset=opts["dataset"], mode=mode,
+                              max_seq_length=ctx.max_seq_length, prefill_chunk=ctx.prefill_chunk,
+                              ignore_eos=ctx.ignore_eos, seed=opts["seed"]),
+                options={k: str(v) if isinstance(v, Path) else v for k, v in opts.items()}, peaks=peaks,
+                model=dict(label=model_label, block_linear_params=cost.block_linear_params,
+                           lm_head_params=cost.lm_head_params, weight_bytes=cost.weight_bytes),
+                runs=metrics, token_reference=reference, speedup_vs_litgpt_sequential=table,
+                targets=report.targets(metrics), skipped=skipped)
+
+
+def emit(result: dict, opts: dict) -> None:
+    from thunder_batch.bench_output import plot, print_report
+
+    print_report(result)
+    if opts["output_json"]:
+        print(f"wrote {opts['output_json']}", file=sys.stderr)
+    if opts["plot"]:
+        plot(result, opts["plot"])
+        print(f"wrote {opts['plot']}", file=sys.stderr)

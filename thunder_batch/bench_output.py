@@ -1,0 +1,131 @@
+"""Benchmark output for people: rich tables on stdout and a PNG plot."""
+
+from __future__ import annotations
+
+import math
+
+
+def _f(x, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:,.{digits}f}"
+
+
+def _compile(m: dict) -> str:
+    c = m.get("compile") or {}
+    if "cold_s" in c:
+        return f"{_f(c['cold_s'])} / {_f(c.get('warm_s'))}"
+    return f"({_f(c.get('first_step_s'), 2)})" if c else "-"
+
+
+def _check(m: dict) -> str:
+    check = m.get("token_check")
+    if check is None:
+        return "ref"
+    bad = check["mismatched_requests"]
+    return "ok" if bad == 0 else f"{bad}/{check['checked_requests']} differ"
+
+
+def results_table(result: dict):
+    from rich.table import Table
+
+    table = Table(title=f"thunder-batch bench: {result['workload']['label']}", show_lines=False)
+    columns = ["system", "B", "out tok/s", "total tok/s", "req/s", "TTFT ms mean/p50/p99", "TPOT ms", "ITL ms p50/p99",
+               "compile s cold/warm", "peak RSS MB", "occup.", "FLOP/s % peak", "x seq", "greedy tokens"]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("system", "greedy tokens") else "right")
+    for m in result["runs"]:
+        ttft, itl = m["ttft_ms"], m["itl_ms"]
+        occ = m.get("slot_occupancy")
+        table.add_row(
+            m["system"], str(m["batch_size"] or 1), _f(m["output_tokens_per_s"]), _f(m["total_tokens_per_s"]),
+            _f(m["requests_per_s"], 2), f"{_f(ttft['mean'], 0)}/{_f(ttft['p50'], 0)}/{_f(ttft['p99'], 0)}",
+            _f(m["tpot_ms"]["mean"]), f"{_f(itl['p50'])}/{_f(itl['p99'])}", _compile(m),
+            _f(m["memory"]["peak_rss_mb"], 0), "-" if occ is None else f"{100 * occ:.0f}%",
+            _f(100 * m["peak_matmul_fraction"]), _f(m.get("speedup", {}).get("vs_litgpt_sequential"), 2), _check(m))
+    return table
+
+
+def targets_table(result: dict):
+    from rich.table import Table
+
+    table = Table(title="targets (best Thunder system per batch size)")
+    for col in ("target", "where", "goal", "measured", "result"):
+        table.add_column(col)
+    for t in result["targets"]:
+        mark = {True: "[green]met[/]", False: f"[red]{t['note']}[/]", None: t["note"]}[t["met"]]
+        table.add_row(t["target"], t["where"], f"{t['goal']}", _f(t["measured"], 2), mark)
+    return table
+
+
+def decode_table(result: dict):
+    from rich.table import Table
+
+    table = Table(title="decode steps (width 1) of engine runs")
+    for col in ("system", "B", "steps", "ms/step", "GFLOP/s", "% peak matmul", "GB/s", "% copy bw"):
+        table.add_column(col, justify="right")
+    for m in result["runs"]:
+        for key in ("full_decode", "decode"):
+            d = m.get(key)
+            if d:
+                label = m["system"] + (" (all slots busy)" if key == "full_decode" else "")
+                table.add_row(label, str(m["batch_size"]), str(d["steps"]), _f(d["mean_step_ms"]),
+                              _f(d["flops_per_s"] / 1e9), _f(100 * d["peak_matmul_fraction"]),
+                              _f(d["bytes_per_s"] / 1e9), _f(100 * d["copy_bandwidth_fraction"]))
+                break
+    return table
+
+
+def print_report(result: dict, file=None) -> None:
+    from rich.console import Console
+
+    console = Console(file=file, width=200)
+    console.print(results_table(result))
+    console.print(decode_table(result))
+    console.print(targets_table(result))
+    peaks = result["peaks"]
+    console.print(f"peak matmul {peaks['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, copy bandwidth "
+                  f"{peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s (measured in this run); reference tokens: "
+                  f"{result['token_reference']}")
+    for m in result["runs"]:
+        for note in m.get("notes", []):
+            console.print(f"note ({m['system']} B={m['batch_size']}): {note}")
+    for name, why in result.get("skipped", {}).items():
+        console.print(f"skipped {name}: {why}")
+    for m in result["runs"]:
+        if "profile" in m:
+            prof = m["profile"]
+            ops = ", ".join(f"{o['op']} {100 * o['fraction']:.0f}%" for o in prof["top_ops"][:6])
+            console.print(f"profile {m['system']} B={m['batch_size']} decode step {prof['step_ms']:.0f} ms: {ops}")
+
+
+def plot(result: dict, path) -> None:
+    """Left: output tokens/s vs batch size per system. Right: TTFT distribution (CDF) per run at the largest B."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for system in dict.fromkeys(m["system"] for m in runs):
+        pts = sorted((m["batch_size"], m["output_tokens_per_s"]) for m in runs
+                     if m["system"] == system and m["batch_size"] is not None)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=system)
+        else:
+            rate = next(m["output_tokens_per_s"] for m in runs if m["system"] == system)
+            ax.axhline(rate, linestyle="--", color="gray", label=f"{system} (one at a time)")
+    ax.set(xlabel="batch size (slots)", ylabel="output tokens/s", title="throughput")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=8)
+    largest = max((m["batch_size"] or 1) for m in runs)
+    for m in runs:
+        if (m["batch_size"] or largest) == largest and m.get("ttft_samples_ms"):
+            xs = sorted(m["ttft_samples_ms"])
+            bx.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=m["system"])
+    bx.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title=f"TTFT distribution (B={largest})")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
