@@ -12,35 +12,47 @@ from thunder_batch.config import EngineConfig
 # User-facing executor names, in the order they should claim ops (first wins).
 KNOWN_EXECUTORS = ("nvfuser", "torchcompile", "sdpa", "torch", "python")
 
+_MISSING = {
+    "nvfuser": "nvFuser is not installed: Thunder found no `nvfuser` package (its wheels are built for one "
+               "torch and CUDA version each, e.g. nvfuser-cu128-torch28)",
+    "torchcompile": "Thunder's torch.compile executor is not registered (it needs torch >= 2.2)",
+}
+
 
 def executor_availability() -> dict[str, str | None]:
-    """name -> None when usable here, else the reason it is not."""
+    """name -> None when usable here, else the reason it is not (for every name in KNOWN_EXECUTORS)."""
     thunder = import_thunder()
     from thunder.extend import get_executor
 
     status = {}
     for name in KNOWN_EXECUTORS:
-        ex = get_executor(name)
-        if ex is None:
-            status[name] = f"executor {name!r} is not installed (Thunder found no {name} package)"
+        if get_executor(name) is None:
+            status[name] = _MISSING.get(name, f"executor {name!r} is not registered with Thunder")
         elif name == "nvfuser" and not thunder.executors.nvfuser_available():
-            status[name] = "nvFuser is not installed or has no CUDA device"
+            status[name] = "nvFuser is installed but unusable here (no CUDA device or a version mismatch)"
         else:
             status[name] = None
     return status
 
 
 def resolve_executors(names: Sequence[str]) -> list:
-    """Executor objects for `names`; ValueError naming the unknown or unavailable ones."""
+    """Executor objects for `names` (claim order); ValueError naming the unknown or unavailable ones."""
+    import_thunder()  # the compat patches must come before any thunder import
     from thunder.extend import get_executor
 
+    names = tuple(names)
+    if not names:
+        raise ValueError(f"executors is empty: name at least one of {list(KNOWN_EXECUTORS)}, "
+                         "or pass None for Thunder's defaults")
     unknown = [n for n in names if n not in KNOWN_EXECUTORS]
     if unknown:
         raise ValueError(f"unknown executor(s) {unknown}; choose from {list(KNOWN_EXECUTORS)}")
     availability = executor_availability()
     missing = {n: availability[n] for n in names if availability[n] is not None}
     if missing:
-        raise ValueError("unavailable executor(s): " + "; ".join(f"{n}: {why}" for n, why in missing.items()))
+        usable = [n for n, why in availability.items() if why is None]
+        raise ValueError("executor(s) not available here: " + "; ".join(f"{n}: {why}" for n, why in missing.items())
+                         + f". Available here: {usable}")
     return [get_executor(n) for n in names]
 
 
@@ -50,41 +62,125 @@ def compile_options(config: EngineConfig) -> dict:
     if config.executors is not None:
         options["executors"] = resolve_executors(config.executors)
         if "nvfuser" in config.executors:
-            options["nv_enable_scatter"] = True  # lets nvFuser claim the KV cache scatter
+            options["nv_enable_scatter"] = True  # lets nvFuser claim the KV cache scatter and the gathers
     if config.cuda_graphs:
         from thunder.transforms.cudagraph import CUDAGraphTransform
 
+        # Module buffers (the KV caches) are static inputs: captured in place, written by every replay.
         options["transforms"] = [CUDAGraphTransform()]
     return options
 
 
-def compile_program(program: nn.Module, config: EngineConfig) -> Callable:
-    """The step program to call: `program` itself in eager mode, else its Thunder-jitted twin."""
+def check_compile_setup(program: nn.Module, config: EngineConfig) -> None:
+    """Reject, before anything is traced, executor and CUDA graph settings that cannot work here."""
     if config.compile == "eager":
         if config.cuda_graphs or config.executors is not None:
-            raise ValueError("executors and cuda_graphs need compile='thunder'")
+            raise ValueError("executors and cuda_graphs need compile='thunder' (got compile='eager')")
+        return
+    if config.executors is not None:
+        resolve_executors(config.executors)
+    if config.cuda_graphs:
+        device = next(program.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {device}")
+
+
+def executor_claims(trace) -> dict[str, int]:
+    """Executor name -> top-level ops of an execution trace it runs. A fusion region (TorchCompile0,
+    nvFusion0, CUDAGraph1) counts once, under its executor (CUDA graphs: 'CUDAGraphTransform')."""
+    claims: dict[str, int] = {}
+    for bsym in trace.bound_symbols:
+        executor = bsym.sym.executor
+        if executor is not None:
+            name = getattr(executor, "name", None) or type(executor).__name__
+            claims[name] = claims.get(name, 0) + 1
+    return claims
+
+
+def fusion_regions(trace) -> list[str]:
+    """Names of the fusion regions in an execution trace, e.g. ['TorchCompile0'] or ['CUDAGraph1']."""
+    return [bsym.sym.name for bsym in trace.bound_symbols if bsym.sym.is_fusion]
+
+
+def compile_program(program: nn.Module, config: EngineConfig) -> Callable:
+    """The step program to call: `program` itself in eager mode, else its Thunder-jitted twin."""
+    check_compile_setup(program, config)
+    if config.compile == "eager":
         return program
+    if config.cuda_graphs:
+        program.requires_grad_(False)  # else Thunder's CUDA graph transform fails on the second shape
     thunder = import_thunder()
+    from thunder_batch import trace_speedups
+
+    trace_speedups.install()  # same traces, ~2x less tracing time (see trace_speedups)
     return thunder.jit(program, **compile_options(config))
+
+
+def load_or_compile_program(program: nn.Module, config: EngineConfig, probe_inputs: Callable[[int], tuple]) -> Callable:
+    """`compile_program`, backed by the persistent compile cache (config.cache_dir) when tracing:
+    each step shape is loaded from disk if stored there, else traced and stored.
+    probe_inputs(width): arguments of a padding-only step, used to check a loaded program."""
+    check_compile_setup(program, config)  # fail at construction, not at the first step
+    if config.compile == "eager":
+        return compile_program(program, config)
+    from thunder_batch.cached_step import CachedStepProgram
+    from thunder_batch.compile_cache import EntryStore, resolve_root
+
+    return CachedStepProgram(program, config, lambda: compile_program(program, config), probe_inputs,
+                             lambda: describe_options(config), EntryStore(resolve_root(config.cache_dir)))
+
+
+def describe_options(config: EngineConfig) -> tuple[tuple[str, ...], dict]:
+    """(executor names in claim order, the other jit options as plain data): part of the cache key."""
+    thunder = import_thunder()
+    options = compile_options(config)
+    executors = options.pop("executors", None) or thunder.get_default_executors()
+    names = tuple(ex.name for ex in (*executors, *thunder.get_always_executors()))
+    options["transforms"] = [type(t).__name__ for t in options.get("transforms", ())]
+    return names, options
 
 
 def is_compiled(fn: Callable) -> bool:
     return not isinstance(fn, nn.Module) or type(fn).__name__ == "ThunderModule"
 
 
+def _cached_stats(fn: Callable) -> dict | None:
+    from thunder_batch.cached_step import CachedStepProgram
+
+    return fn.stats() if isinstance(fn, CachedStepProgram) else None
+
+
 def cache_misses(fn: Callable) -> int:
-    """Traces Thunder made for `fn` (0 for an eager program)."""
+    """Step programs made for `fn`: traced, or loaded from the compile cache (0 for an eager program)."""
+    if (stats := _cached_stats(fn)) is not None:
+        return stats["cache_misses"]
     if not is_compiled(fn):
         return 0
     return import_thunder().cache_misses(fn)
 
 
 def cache_hits(fn: Callable) -> int:
+    if (stats := _cached_stats(fn)) is not None:
+        return stats["cache_hits"]
     if not is_compiled(fn):
         return 0
     return import_thunder().cache_hits(fn)
 
 
+def disk_cache_hits(fn: Callable) -> int:
+    """Step programs loaded from the persistent compile cache instead of traced."""
+    return (_cached_stats(fn) or {}).get("disk_cache_hits", 0)
+
+
+def compile_seconds(fn: Callable) -> float:
+    """Seconds spent tracing or loading step programs (each shape's first call, run included)."""
+    return (_cached_stats(fn) or {}).get("compile_seconds", 0.0)
+
+
 def last_execution_trace(fn: Callable):
-    """The final execution trace of the most recent call (for inspection in tests and tools)."""
+    """The final execution trace of the most recent traced call (for inspection in tests and tools).
+    A program loaded from the compile cache has no trace object: this raises for those."""
+    fn = getattr(fn, "jitted", fn)
+    if fn is None:
+        raise ValueError("no step program was traced in this process (all were loaded from the compile cache)")
     return import_thunder().last_traces(fn)[-1]

@@ -31,6 +31,7 @@ class EngineConfig:
     compile: str = "thunder"
     executors: tuple[str, ...] | None = None  # None: Thunder's defaults for the device
     cuda_graphs: bool = False
+    cache_dir: str | None = None  # compile cache root; None: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache
 
     def __post_init__(self) -> None:
         _require_int("batch_size", self.batch_size, 1)

