@@ -104,7 +104,7 @@ def test_loaded_program_matches_traced_step_and_writes_cache_in_place(traced):
     for block, twin_cache, old in zip(runner.gpt.transformer.h, caches, before):
         assert torch.equal(block.attn.kv_cache.k, twin_cache.k) and torch.equal(block.attn.kv_cache.v, twin_cache.v)
         assert not torch.equal(twin_cache.k[:, :, 5], old)  # written in place by the loaded program
-    assert loaded.writes == [caches[0].k, caches[0].v]
+    assert [id(b) for b in loaded.writes] == [id(caches[0].k), id(caches[0].v)]  # found from the trace
 
 
 # -- keys -------------------------------------------------------------------------------------
@@ -210,6 +210,13 @@ def test_damaged_entry_is_a_miss_with_one_warning(traced, tmp_path, kind):
     assert len(messages) == 1 and expected in messages[0], messages
 
 
+def test_missing_entry_is_a_plain_miss(tmp_path):
+    """No entry yet is the normal cold start: traced and stored, no warning."""
+    engine = make_engine(tmp_path)
+    loaded, messages = load_with_warnings(engine, engine.runner.inputs_for(StepPlan(1, [])).as_args())
+    assert loaded is None and messages == []
+
+
 def test_sound_entry_loads_without_warning(traced, tmp_path):
     engine, args = fresh_engine_with_entry(traced, tmp_path, traced["path"].read_text())
     loaded, messages = load_with_warnings(engine, args)
@@ -306,3 +313,20 @@ def test_compile_command_lists_and_clears(traced, tmp_path, capsys):
     assert "2 entries" in out and "B=2 T=1 S=16" in out and " ok" in out and "BAD" in out
     cc.compile_command(clear=True, cache_dir=str(root))
     assert [p.name for p in root.iterdir()] == ["README.md"]
+
+
+@pytest.mark.slow
+def test_two_engines_compiling_the_same_key_at_once(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, warnings
+        sys.path.insert(0, {str(TESTS_DIR)!r})
+        warnings.simplefilter("error", __import__("thunder_batch.compile_cache").compile_cache.CompileCacheWarning)
+        from test_compile_cache import make_engine, PROMPTS, PARAMS
+        engine = make_engine({str(tmp_path)!r})
+        engine.generate(PROMPTS, PARAMS)
+        assert engine.stats()["disk_cache_hits"] == 0  # both traced: neither found the other's entry
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0], [p.stderr.read()[-2000:] for p in procs]
+    (entry,) = tmp_path.iterdir()  # one entry, no temp files
+    assert read_entry(entry, None)[1] is None
