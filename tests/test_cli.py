@@ -14,6 +14,12 @@ def test_dashed_flags_and_repeated_list_flags():
                                      "--prompt+", "c", "--stop+", "."]
 
 
+def test_bare_switches_mean_true():
+    assert normalize_flags(["compile", "--list"]) == ["compile", "--list", "true"]
+    assert normalize_flags(["bench", "--ignore-eos", "--seed", "1"]) == ["bench", "--ignore_eos", "true", "--seed", "1"]
+    assert normalize_flags(["compile", "--clear", "false"]) == ["compile", "--clear", "false"]
+
+
 def test_every_subcommand_has_help():
     for command in ("generate", "serve", "compile", "bench"):
         done = subprocess.run([sys.executable, "-m", "thunder_batch.cli", command, "--help"], capture_output=True,

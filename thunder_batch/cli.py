@@ -56,14 +56,21 @@ def generate(
 REPEATABLE_FLAGS = ("--prompt", "--chat", "--stop")
 
 
+# Switches that may stand alone (`--list` means `--list true`).
+SWITCH_FLAGS = ("--list", "--clear", "--ignore_eos", "--profile", "--warm_compile", "--progress")
+
+
 def normalize_flags(argv: list[str]) -> list[str]:
-    """Accept `--batch-size` as well as `--batch_size`, and repeated list flags."""
+    """Accept `--batch-size` as well as `--batch_size`, repeated list flags, and bare switches."""
     out = []
-    for arg in argv:
+    for i, arg in enumerate(argv):
         if arg.startswith("--") and len(arg) > 2:
             name, eq, value = arg.partition("=")
             arg = name.replace("-", "_").replace("__", "--", 1) + eq + value
         out.append(f"{arg}+" if arg in REPEATABLE_FLAGS else arg)
+        following = argv[i + 1] if i + 1 < len(argv) else "--"
+        if arg in SWITCH_FLAGS and following.startswith("--"):
+            out.append("true")
     return out
 
 
