@@ -195,8 +195,8 @@ def load_with_warnings(engine, args):
     fn: CachedStepProgram = engine.runner.step_fn
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loaded = fn._load(fn._key(args), args)
-    return loaded, [str(w.message) for w in caught if issubclass(w.category, CompileCacheWarning)]
+        hit = fn._load(fn._key(args), args)
+    return hit and hit[0], [str(w.message) for w in caught if issubclass(w.category, CompileCacheWarning)]
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))

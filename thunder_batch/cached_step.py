@@ -47,10 +47,13 @@ class CachedStepProgram:
 
     def _first_call(self, signature: tuple, args: tuple):
         key = self._key(args) if self.store is not None else None
-        loaded = self._load(key, args) if key is not None else None
-        if loaded is not None:
+        hit = self._load(key, args) if key is not None else None
+        if hit is not None:
+            loaded, probe, probe_result = hit
             self._programs[signature] = loaded
             self.disk_hits += 1
+            if all(torch.equal(a, p) for a, p in zip(args, probe)):
+                return probe_result  # a warm-up step: the load-time check just ran exactly this step
             return loaded(*args)
         if self.jitted is None:
             self.jitted = self._make_jit()
@@ -65,7 +68,8 @@ class CachedStepProgram:
         executors, options = self._describe_options()
         return make_key(self.program, self.config, args, executors, options)
 
-    def _load(self, key, args) -> LoadedProgram | None:
+    def _load(self, key, args) -> tuple[LoadedProgram, tuple, tuple] | None:
+        """(program, probe arguments, its outputs on them) for a sound stored entry, else None."""
         record = self.store.load(key)
         if record is None:
             return None
@@ -75,17 +79,18 @@ class CachedStepProgram:
         except Exception as e:
             warn(f"compile cache entry {name} ignored, retracing: unloadable ({type(e).__name__}: {e})")
             return None
-        problem = self._validate(loaded, int(args[0].shape[1]))
+        probe = self._probe_inputs(int(args[0].shape[1]))
+        problem, result = self._validate(loaded, probe)
         if problem:
             warn(f"compile cache entry {name} ignored, retracing: failed its load-time check ({problem})")
             return None
-        return loaded
+        return loaded, probe, result
 
     @torch.no_grad()
-    def _validate(self, loaded: LoadedProgram, width: int) -> str | None:
+    def _validate(self, loaded: LoadedProgram, probe: tuple) -> tuple[str | None, tuple | None]:
         """Run the eager program and the loaded one on the same padding-only step (which writes only
-        scratch cache entries) from the same cache state; outputs and in-place writes must agree."""
-        probe = self._probe_inputs(width)
+        scratch cache entries) from the same cache state; outputs and in-place writes must agree.
+        Returns (what is wrong or None, the loaded program's outputs)."""
         watched = loaded.writes[:1] + loaded.writes[-1:]  # first and last written buffers: cheap, telling
         before = [b.clone() for b in watched]
         want = self.program(*probe)
@@ -95,14 +100,14 @@ class CachedStepProgram:
         try:
             got = loaded(*probe)
         except Exception as e:
-            return f"raised {type(e).__name__}: {e}"
+            return f"raised {type(e).__name__}: {e}", None
         if not torch.equal(got[0], want[0]):
-            return f"tokens {got[0].tolist()} != eager {want[0].tolist()}"
+            return f"tokens {got[0].tolist()} != eager {want[0].tolist()}", got
         if not torch.allclose(got[1], want[1], rtol=PROBE_RTOL, atol=PROBE_ATOL):
-            return f"logprobs differ from eager by {(got[1] - want[1]).abs().max().item():.3g}"
+            return f"logprobs differ from eager by {(got[1] - want[1]).abs().max().item():.3g}", got
         if not all(torch.allclose(b, e, rtol=PROBE_RTOL, atol=PROBE_ATOL) for b, e in zip(watched, after_eager)):
-            return "KV cache writes differ from eager (not written in place?)"
-        return None
+            return "KV cache writes differ from eager (not written in place?)", got
+        return None, got
 
     def _store(self, key, args) -> None:
         try:
