@@ -51,6 +51,12 @@ class Engine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
         """Queue a prompt (str, list of token ids, or chat messages); returns its id. Bad input raises
         ValueError here, before any step, and leaves every other request untouched."""
+        request = self._make_request(prompt, params, request_id)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def _make_request(self, prompt, params: SamplingParams | None, request_id=None) -> Request:
+        """Validate and encode a prompt into a Request, without queueing it."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -64,8 +70,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = self._seeds.getrandbits(31) if params.seed is None else params.seed & 0x7FFFFFFF
         detok = self._detokenizer(prompt_ids) if self.tokenizer is not None else None
-        self.scheduler.add(Request(request_id, prompt_ids, params, seed, self.eos_ids, detok))
-        return request_id
+        return Request(request_id, prompt_ids, params, seed, self.eos_ids, detok)
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt: a str or chat messages (both need a tokenizer), or a non-empty list
@@ -177,9 +182,10 @@ class Engine:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        for prompt, p in zip(prompts, per_prompt):  # validate all before queueing any
-            self._check_fits(len(self.encode(prompt)), p or SamplingParams())
-        return [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]
+        requests = [self._make_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]  # all valid first
+        for request in requests:
+            self.scheduler.add(request)
+        return [request.request_id for request in requests]
 
     def warmup(self, progress: bool = False) -> dict[int, float]:
         """Compile (or load) the step program for every step width now; seconds per width."""
