@@ -150,21 +150,22 @@ def _cached_stats(fn: Callable) -> dict | None:
     return fn.stats() if isinstance(fn, CachedStepProgram) else None
 
 
-def cache_misses(fn: Callable) -> int:
-    """Step programs made for `fn`: traced, or loaded from the compile cache (0 for an eager program)."""
+def _call_counter(fn: Callable, name: str) -> int:
+    """Thunder's `cache_misses`/`cache_hits` for `fn`, whether cached on disk, jitted, or eager (0)."""
     if (stats := _cached_stats(fn)) is not None:
-        return stats["cache_misses"]
+        return stats[name]
     if not is_compiled(fn):
         return 0
-    return import_thunder().cache_misses(fn)
+    return getattr(import_thunder(), name)(fn)
+
+
+def cache_misses(fn: Callable) -> int:
+    """Step programs made for `fn`: traced, or loaded from the compile cache (0 for an eager program)."""
+    return _call_counter(fn, "cache_misses")
 
 
 def cache_hits(fn: Callable) -> int:
-    if (stats := _cached_stats(fn)) is not None:
-        return stats["cache_hits"]
-    if not is_compiled(fn):
-        return 0
-    return import_thunder().cache_hits(fn)
+    return _call_counter(fn, "cache_hits")
 
 
 def disk_cache_hits(fn: Callable) -> int:
