@@ -21,15 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 
+import thunder_batch.compile.cache as cc
 from conftest import tiny_gpt
-import thunder_batch.compile_cache as cc
 from thunder_batch import Engine, EngineConfig, SamplingParams
-from thunder_batch.cached_step import CachedStepProgram
-from thunder_batch.compile_cache import (
+from thunder_batch.compile import cli as compile_cli
+from thunder_batch.compile.cache import (
     FORMAT_VERSION, CacheKey, CompileCacheWarning, EntryStore, canonical_json, read_entry, resolve_root, sha256,
 )
+from thunder_batch.compile.cached_step import CachedStepProgram
+from thunder_batch.compile.trace_export import LoadedProgram, NotExportable, ctx_recipe
 from thunder_batch.scheduler import StepPlan
-from thunder_batch.trace_export import LoadedProgram, NotExportable, ctx_recipe
 
 CONFIG = dict(batch_size=2, max_seq_length=16, prefill_chunk=1)  # one step width: one trace
 PROMPTS = [[1, 2, 3], [4, 5]]
@@ -74,7 +75,7 @@ def test_fresh_process_loads_bit_identical_outputs(traced):
     script = textwrap.dedent(f"""
         import json, sys, warnings
         sys.path.insert(0, {str(TESTS_DIR)!r})
-        warnings.simplefilter("error", __import__("thunder_batch.compile_cache").compile_cache.CompileCacheWarning)
+        warnings.simplefilter("error", __import__("thunder_batch.compile.cache", fromlist=["cache"]).CompileCacheWarning)
         from test_compile_cache import make_engine, outputs, PROMPTS, PARAMS
         engine = make_engine({str(traced['root'])!r})
         results = engine.generate(PROMPTS, PARAMS)
@@ -308,10 +309,10 @@ def test_compile_command_lists_and_clears(traced, tmp_path, capsys):
     (root / "damaged.json").write_text("{")
     (root / ".left.tmp").write_text("")
     (root / "README.md").write_text("kept")
-    cc.compile_command(list=True, cache_dir=str(root))
+    compile_cli.compile_command(list=True, cache_dir=str(root))
     out = capsys.readouterr().out
     assert "2 entries" in out and "B=2 T=1 S=16" in out and " ok" in out and "BAD" in out
-    cc.compile_command(clear=True, cache_dir=str(root))
+    compile_cli.compile_command(clear=True, cache_dir=str(root))
     assert [p.name for p in root.iterdir()] == ["README.md"]
 
 
@@ -320,7 +321,7 @@ def test_two_engines_compiling_the_same_key_at_once(tmp_path):
     script = textwrap.dedent(f"""
         import sys, warnings
         sys.path.insert(0, {str(TESTS_DIR)!r})
-        warnings.simplefilter("error", __import__("thunder_batch.compile_cache").compile_cache.CompileCacheWarning)
+        warnings.simplefilter("error", __import__("thunder_batch.compile.cache", fromlist=["cache"]).CompileCacheWarning)
         from test_compile_cache import make_engine, PROMPTS, PARAMS
         engine = make_engine({str(tmp_path)!r})
         engine.generate(PROMPTS, PARAMS)

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
 # Subcommands whose entry functions live beside the code they drive: name -> (module, function).
 EXTRA_COMMANDS = {
     "serve": ("thunder_batch.server", "serve"),
-    "compile": ("thunder_batch.compile_cache", "compile_command"),
+    "compile": ("thunder_batch.compile.cli", "compile_command"),
     "bench": ("thunder_batch.bench", "bench"),
 }
 

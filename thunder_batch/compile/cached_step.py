@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from thunder_batch.compile_cache import EntryStore, make_key, warn
-from thunder_batch.trace_export import LoadedProgram, NotExportable, export_program
+from thunder_batch.compile.cache import EntryStore, make_key, warn
+from thunder_batch.compile.trace_export import LoadedProgram, NotExportable, export_program
 
 # Load-time check of a stored program against the eager program on a padding-only step.
 PROBE_RTOL, PROBE_ATOL = 1e-4, 1e-5

@@ -1,4 +1,9 @@
-"""The only module that imports Thunder: jit, executor choice, and compiled-program inspection."""
+"""Thunder jit, executor choice and compiled-program inspection.
+
+This package is the only place that touches Thunder: its submodules add the persistent compile
+cache (cache, cached_step, trace_export), cheaper cold tracing (trace_speedups) and the
+`thunder-batch compile` command (cli).
+"""
 
 from __future__ import annotations
 
@@ -110,7 +115,7 @@ def compile_program(program: nn.Module, config: EngineConfig) -> Callable:
     if config.cuda_graphs:
         program.requires_grad_(False)  # else Thunder's CUDA graph transform fails on the second shape
     thunder = import_thunder()
-    from thunder_batch import trace_speedups
+    from thunder_batch.compile import trace_speedups
 
     trace_speedups.install()  # same traces, ~2x less tracing time (see trace_speedups)
     return thunder.jit(program, **compile_options(config))
@@ -123,8 +128,8 @@ def load_or_compile_program(program: nn.Module, config: EngineConfig, probe_inpu
     check_compile_setup(program, config)  # fail at construction, not at the first step
     if config.compile == "eager":
         return compile_program(program, config)
-    from thunder_batch.cached_step import CachedStepProgram
-    from thunder_batch.compile_cache import EntryStore, resolve_root
+    from thunder_batch.compile.cached_step import CachedStepProgram
+    from thunder_batch.compile.cache import EntryStore, resolve_root
 
     return CachedStepProgram(program, config, lambda: compile_program(program, config), probe_inputs,
                              lambda: describe_options(config), EntryStore(resolve_root(config.cache_dir)))
@@ -145,7 +150,7 @@ def is_compiled(fn: Callable) -> bool:
 
 
 def _cached_stats(fn: Callable) -> dict | None:
-    from thunder_batch.cached_step import CachedStepProgram
+    from thunder_batch.compile.cached_step import CachedStepProgram
 
     return fn.stats() if isinstance(fn, CachedStepProgram) else None
 

