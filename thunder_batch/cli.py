@@ -26,6 +26,7 @@ def generate(
     stop: list[str] | None = None,
     compile: Literal["thunder", "eager"] = "thunder",
     precision: Literal["float32", "bfloat16"] = "float32",
+    cache_dir: str | None = None,
 ) -> None:
     """Generate text for several prompts at once, streaming each as it is produced.
 
@@ -45,6 +46,7 @@ def generate(
         stop: Stop strings (repeat the flag for several); the stop text is not printed.
         compile: "thunder" traces the step program once per step width; "eager" runs it as is.
         precision: Weights and KV cache dtype.
+        cache_dir: Compile cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
     """
     args = dict(locals())
     from thunder_batch.generate_cli import run_generate

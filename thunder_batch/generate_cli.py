@@ -13,7 +13,7 @@ from rich.text import Text
 
 
 def run_generate(prompt, chat, checkpoint_dir, batch_size, max_seq_length, prefill_chunk, max_new_tokens,
-                 temperature, top_k, top_p, seed, stop, compile, precision) -> None:
+                 temperature, top_k, top_p, seed, stop, compile, precision, cache_dir=None) -> None:
     import torch
 
     from thunder_batch import Engine, EngineConfig, SamplingParams
@@ -23,7 +23,7 @@ def run_generate(prompt, chat, checkpoint_dir, batch_size, max_seq_length, prefi
         raise SystemExit("thunder-batch generate: give at least one --prompt or --chat")
     err = Console(stderr=True)
     config = EngineConfig(batch_size=batch_size, max_seq_length=max_seq_length, prefill_chunk=prefill_chunk,
-                          compile=compile)
+                          compile=compile, cache_dir=cache_dir)
     start = time.perf_counter()
     engine = Engine.from_checkpoint(checkpoint_dir, config, dtype=getattr(torch, precision))
     err.print(f"loaded model in {time.perf_counter() - start:.1f}s")

@@ -281,6 +281,7 @@ def serve(
     prefill_chunk: int = 64,
     compile: Literal["thunder", "eager"] = "thunder",
     precision: Literal["float32", "bfloat16"] = "float32",
+    cache_dir: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
@@ -304,6 +305,7 @@ def serve(
         compile: "thunder" traces the step program at startup (minutes for a big model on CPU);
             "eager" runs it as is.
         precision: Weights and KV cache dtype.
+        cache_dir: Compile cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
         host: Interface to bind: 127.0.0.1 (this machine only), 0.0.0.0 or :: (all interfaces).
         port: TCP port.
         api_key: Require "Authorization: Bearer <key>" on every route but /health. Default:
@@ -315,7 +317,7 @@ def serve(
         log_level: LitServe and uvicorn log level.
     """
     config = EngineConfig(batch_size=batch_size, max_seq_length=max_seq_length, prefill_chunk=prefill_chunk,
-                          compile=compile)
+                          compile=compile, cache_dir=cache_dir)
     checkpoint_dir = resolve_checkpoint_dir(checkpoint_dir)
     api_key = api_key or os.environ.get("THUNDER_BATCH_API_KEY") or None
     with multiprocessing.Manager() as manager:  # run_server stops it with the other children
