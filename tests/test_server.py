@@ -4,11 +4,7 @@ official `openai` client and checked against the engine's offline greedy results
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +15,12 @@ import httpx
 import openai
 import psutil
 import pytest
+from live_server import KEY, ROOT, Server
 
 from thunder_batch.openai_api import CHAT, COMPLETION, APIError, parse_request
 
-ROOT = Path(__file__).resolve().parents[1]
-KEY = "test-key"
 ENGINE = dict(batch_size=8, max_seq_length=128, prefill_chunk=8)  # the server's and the offline oracle's
 MODEL = "SmolLM2-135M-Instruct"
-STARTUP_TIMEOUT_S = 600  # first run converts the default model
 
 
 def body(**fields) -> bytes:
@@ -208,65 +202,6 @@ def test_engine_loop_idles_on_an_event_and_routes_events():
 
 # -- a real server ---------------------------------------------------------------------------
 real_model = pytest.mark.slow  # the real model in a server process: ~2-4 min for all of these here
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, log_path: Path, checkpoint: Path, *args: str):
-        self.port, self.log_path = free_port(), log_path
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "thunder_batch.cli", "serve", "--checkpoint_dir", str(checkpoint),
-               "--compile", "eager", "--port", str(self.port), "--log_level", "warning", *args]
-        # One torch thread: this 2-core machine is shared, and the offline oracle uses one too.
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        self._wait_healthy()
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        self.stop()
-        pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            for child in psutil.Process(self.proc.pid).children(recursive=True):
-                child.kill()
-            self.proc.kill()
-            raise
-
-    def client(self, api_key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=600)
-
-    def post(self, path: str, content: bytes, key: str | None = KEY, timeout: float = 120) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.post(self.url + path, content=content, headers=headers, timeout=timeout)
-
-    def stats(self) -> dict:
-        return httpx.get(self.url + "/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=120).json()
-
-    def wait_all_free(self, timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
-        while (stats := self.stats())["running"] or stats["waiting"] or stats["in_flight"]:
-            assert time.monotonic() < deadline, stats
-            time.sleep(0.5)
-        return stats
 
 
 @pytest.fixture(scope="module")
