@@ -179,7 +179,10 @@ DAMAGE = {
     "unloadable": (lambda body: rehash({**body, "record": {**body["record"], "ctx": {
         **body["record"]["ctx"], "torch": ["module", "no_such_module"]}}}), "unloadable"),
     "wrong outputs": (edit_source("return (", "return (lambda a, b: (a + 1, b))("), "tokens"),
-    "not in place": (edit_source("= copy_(", "= (lambda a, b, grad_enabled: a)("), "KV cache writes"),
+    # the last layer's V cache write goes to a copy that attention reads, and is never copied back
+    "not in place": (lambda body: edit_source("= copy_(", "= (lambda a, b, grad_enabled: a)(")(edit_source(
+        "= thunder_batch_scatter_into(", "= (lambda a, dim, index, src: a.clone().scatter_(dim, index, src))(")(body)),
+        "KV cache writes"),
 }
 
 

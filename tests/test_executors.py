@@ -87,10 +87,12 @@ def test_compile_options_enable_nvfuser_scatter_and_cuda_graphs(monkeypatch):
     options = compile_options(EngineConfig(executors=("nvfuser", "torch"), cuda_graphs=True))
     assert options["executors"] == ["nvfuser", "torch"]
     assert options["nv_enable_scatter"] is True
-    assert [type(t) for t in options["transforms"]] == [CUDAGraphTransform]
+    assert [type(t).__name__ for t in options["transforms"]] == ["InplaceScatter", "CUDAGraphTransform"]
+    assert isinstance(options["transforms"][1], CUDAGraphTransform)
     plain = compile_options(EngineConfig(executors=("torchcompile", "torch")))
-    assert "nv_enable_scatter" not in plain and "transforms" not in plain
-    assert compile_options(EngineConfig()) == {}
+    assert "nv_enable_scatter" not in plain
+    assert [type(t).__name__ for t in plain["transforms"]] == ["InplaceScatter"]
+    assert list(compile_options(EngineConfig())) == ["transforms"]
 
 
 def test_executors_and_cuda_graphs_need_thunder():
@@ -133,7 +135,9 @@ def test_torch_executor_claims_every_op(torch_engine, prompts):
         greedy_tokens(torch_engine, prompts[:1])
     trace = last_execution_trace(torch_engine.runner.step_fn)
     claims = executor_claims(trace)
-    assert set(claims) == {"torch"}, claims  # sdpa was not listed, so torch runs the attention too
+    # sdpa was not listed, so torch runs the attention too; the KV cache writes are our in-place op
+    assert set(claims) == {"torch", "thunder_batch"}, claims
+    assert claims["thunder_batch"] == 2 * torch_engine.runner.gpt.config.n_layer
     assert fusion_regions(trace) == []
 
 

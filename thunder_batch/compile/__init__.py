@@ -68,11 +68,14 @@ def compile_options(config: EngineConfig) -> dict:
         options["executors"] = resolve_executors(config.executors)
         if "nvfuser" in config.executors:
             options["nv_enable_scatter"] = True  # lets nvFuser claim the KV cache scatter and the gathers
+    from thunder_batch.compile.inplace import make_transform
+
+    options["transforms"] = [make_transform()]  # KV cache writes in place, not two whole-cache copies
     if config.cuda_graphs:
         from thunder.transforms.cudagraph import CUDAGraphTransform
 
         # Module buffers (the KV caches) are static inputs: captured in place, written by every replay.
-        options["transforms"] = [CUDAGraphTransform()]
+        options["transforms"].append(CUDAGraphTransform())
     return options
 
 

@@ -1,0 +1,73 @@
+"""compile.inplace: under the torch executor each KV cache write is one in-place scatter, not
+scatter-into-a-copy + copy back; caches, tokens and compiled outputs stay equal to eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ENGINE_CONFIG, mixed_prompts, tiny_gpt
+from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch._compat import import_thunder
+from thunder_batch.compile import compile_options, last_execution_trace
+from thunder_batch.compile.inplace import OPERATOR
+
+
+def ops(trace) -> list[tuple[str, str | None]]:
+    return [(b.sym.name, getattr(b.sym.executor, "name", None)) for b in trace.bound_symbols]
+
+
+def run_mixed(engine: Engine) -> list[list[int]]:
+    prompts = mixed_prompts(6, [1, 5, 13, 20], seed=3)
+    params = [SamplingParams(max_new_tokens=5, temperature=[0.0, 0.9][i % 2], top_p=0.8, seed=i) for i in range(6)]
+    return [r.token_ids for r in engine.generate(prompts, params)]
+
+
+@pytest.mark.regression
+def test_cache_writes_run_in_place_and_match_eager():
+    config = dict(ENGINE_CONFIG, executors=("sdpa", "torch"))
+    eager = Engine(tiny_gpt("llama"), EngineConfig(compile="eager", **ENGINE_CONFIG))
+    traced = Engine(tiny_gpt("llama"), EngineConfig(compile="thunder", **config))
+    assert run_mixed(traced) == run_mixed(eager)
+    for a, b in zip(traced.runner.gpt.transformer.h, eager.runner.gpt.transformer.h):
+        torch.testing.assert_close(a.attn.kv_cache.k, b.attn.kv_cache.k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.attn.kv_cache.v, b.attn.kv_cache.v, rtol=1e-5, atol=1e-6)
+    names = ops(last_execution_trace(traced.runner.step_fn))
+    n_layer = traced.runner.gpt.config.n_layer
+    assert names.count((OPERATOR, "thunder_batch")) == 2 * n_layer  # K and V of every layer
+    assert ("scatter", "torch") not in names
+    assert traced.stats()["cache_misses"] == 2
+
+
+def test_out_of_place_scatter_is_left_alone():
+    """Only a scatter written back onto its own input may become in place: a plain `torch.scatter`
+    must keep its input unchanged."""
+    thunder = import_thunder()
+
+    def f(t, idx, val):
+        return torch.scatter(t, 1, idx, val), t * 2
+
+    options = compile_options(EngineConfig(executors=("torch",)))
+    jitted = thunder.jit(f, **options)
+    t, idx, val = torch.zeros(2, 4), torch.tensor([[1], [3]]), torch.ones(2, 1)
+    scattered, doubled = jitted(t, idx, val)
+    assert torch.equal(t, torch.zeros(2, 4)) and torch.equal(doubled, torch.zeros(2, 4))
+    assert scattered.sum().item() == 2.0
+    names = ops(thunder.last_traces(jitted)[-1])
+    assert ("scatter", "torch") in names and (OPERATOR, "thunder_batch") not in names
+
+
+def test_in_place_scatter_of_an_input_matches_eager():
+    thunder = import_thunder()
+
+    def f(t, idx, val):
+        before = t.sum()
+        t.scatter_(1, idx, val)
+        return t + before
+
+    jitted = thunder.jit(f, **compile_options(EngineConfig(executors=("torch",))))
+    t, idx, val = torch.arange(8.0).view(2, 4), torch.tensor([[1], [3]]), torch.full((2, 1), -1.0)
+    expected_t = t.clone()
+    expected = f(expected_t, idx, val)
+    assert torch.equal(jitted(t, idx, val), expected) and torch.equal(t, expected_t)
+    assert (OPERATOR, "thunder_batch") in ops(thunder.last_traces(jitted)[-1])
