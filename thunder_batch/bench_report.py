@@ -109,7 +109,7 @@ def target_row(name: str, target: float, measured: float | None, where: str) -> 
     if measured is None:
         return dict(target=name, where=where, goal=target, measured=None, met=None, note="not measured")
     met = measured >= target
-    note = "met" if met else f"missed by {100 * (1 - measured / target):.0f}% ({measured:.2f} vs {target})"
+    note = "met" if met else f"missed by {100 * (1 - measured / target):.1f}% ({measured:.3f} vs {target})"
     return dict(target=name, where=where, goal=target, measured=measured, met=met, note=note)
 
 
