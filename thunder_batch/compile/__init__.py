@@ -1,8 +1,8 @@
 """Thunder jit, executor choice and compiled-program inspection.
 
 This package is the only place that touches Thunder: its submodules add the persistent compile
-cache (cache, cached_step, trace_export), cheaper cold tracing (trace_speedups) and the
-`thunder-batch compile` command (cli).
+cache (cache, cached_step, trace_export), in-place KV cache writes (inplace), cheaper cold
+tracing (trace_speedups) and the `thunder-batch compile` command (cli).
 """
 
 from __future__ import annotations
