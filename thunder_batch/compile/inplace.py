@@ -46,10 +46,8 @@ def rewrite(bound_symbols: list) -> tuple[list, int]:
     for i, bsym in enumerate(bound_symbols):
         if not _is_torch_scatter(bsym):
             continue
-        target, result = bsym.args[0], bsym.output
-        j = _writeback_index(bound_symbols, i, target, result)
-        if j is not None:
-            out[i] = op.bind(*bsym.args, output=result)
+        if _written_back(bound_symbols, i, target=bsym.args[0], result=bsym.output):
+            out[i] = op.bind(*bsym.args, output=bsym.output)
             rewritten += 1
     return out, rewritten
 
@@ -60,18 +58,16 @@ def _is_torch_scatter(bsym) -> bool:
             and not bsym.kwargs)
 
 
-def _writeback_index(bound_symbols: list, i: int, target, result) -> int | None:
-    """Index of the `copy_(result, target)` after position i, if nothing between touches either."""
-    for j in range(i + 1, len(bound_symbols)):
-        bsym = bound_symbols[j]
-        names = {p.name for p in bsym.flat_proxy_args}
+def _written_back(bound_symbols: list, i: int, target, result) -> bool:
+    """True when a later `copy_(result, target)` follows position i with nothing between touching either."""
+    for bsym in bound_symbols[i + 1:]:
         if bsym.sym.name == "copy_" and len(bsym.args) >= 2 and bsym.args[0] is result and bsym.args[1] is target:
-            return j
+            return True
         if bsym.sym.name == "python_del":
             continue
-        if result.name in names or target.name in names:
-            return None
-    return None
+        if {result.name, target.name} & {p.name for p in bsym.flat_proxy_args}:
+            return False
+    return False
 
 
 def make_transform():
