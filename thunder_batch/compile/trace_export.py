@@ -191,5 +191,5 @@ def _resolve_binding(binding: Sequence, module: nn.Module):
 
 def _written_names(record: dict) -> list[str]:
     """Module buffers the program writes in place (trace input names -> binding names)."""
-    names = record["input_names"]
-    return [b[1] for b, n in zip(record["inputs"], names) if n in set(record["writes"]) and b[0] == "tensor"]
+    written = set(record["writes"])
+    return [b[1] for b, n in zip(record["inputs"], record["input_names"]) if n in written and b[0] == "tensor"]
