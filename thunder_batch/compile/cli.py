@@ -54,24 +54,18 @@ def fill(checkpoint_dir, batch_size: int, max_seq_length: int, prefill_chunk: in
     config = EngineConfig(batch_size=batch_size, max_seq_length=max_seq_length, prefill_chunk=prefill_chunk,
                           cache_dir=str(root))
     engine = Engine.from_checkpoint(checkpoint_dir, config, dtype=getattr(torch, precision))
-    first = _timed_warmup(engine)
+    first = sum(engine.warmup(progress=True).values())
     stats = engine.stats()
     print(f"first pass: {first:.1f}s ({stats['cache_misses'] - stats['disk_cache_hits']} traced, "
           f"{stats['disk_cache_hits']} already cached)", file=sys.stderr)
     again = Engine(engine.runner.gpt, config, engine.tokenizer, engine.prompt_style)  # a fresh runner, same weights
-    warm = _timed_warmup(again)
+    warm = sum(again.warmup(progress=True).values())
     loaded = again.stats()["disk_cache_hits"]
     print(f"warm (loaded from {root}): {warm:.1f}s for {loaded} of {len(config.step_widths)} step programs",
           file=sys.stderr)
     print(json.dumps(dict(cache_dir=str(root), step_widths=list(config.step_widths), first_pass_s=round(first, 2),
                           traced=stats["cache_misses"] - stats["disk_cache_hits"], warm_s=round(warm, 2),
                           loaded=loaded)))
-
-
-def _timed_warmup(engine) -> float:
-    start = time.perf_counter()
-    engine.warmup(progress=True)
-    return time.perf_counter() - start
 
 
 def compile_command(
