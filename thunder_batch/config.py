@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from thunder_batch.stops import normalize_stop
 
 COMPILE_MODES = ("thunder", "eager")
+TRACE_MODES = ("layers", "step")
 MAX_SEED = 2**63 - 1
 
 
@@ -32,6 +33,9 @@ class EngineConfig:
     executors: tuple[str, ...] | None = None  # None: Thunder's defaults for the device
     cuda_graphs: bool = False
     cache_dir: str | None = None  # compile cache root; None: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache
+    # "layers": prefix, blocks and head traced apart, layers sharing block traces (seconds to compile,
+    # stored in the compile cache); "step": the whole step as one trace (minutes; in memory only)
+    trace: str = "layers"
 
     def __post_init__(self) -> None:
         _require_int("batch_size", self.batch_size, 1)
@@ -41,6 +45,11 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be <= max_seq_length ({self.max_seq_length})")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        if self.trace not in TRACE_MODES:
+            raise ValueError(f"trace must be one of {TRACE_MODES}, got {self.trace!r}")
+        if self.cuda_graphs and self.trace != "step":
+            # A captured graph holds its first layer's tensors: layers cannot share it.
+            raise ValueError("cuda_graphs=True needs trace='step' (a CUDA graph cannot be shared by layers)")
         if self.executors is not None:
             object.__setattr__(self, "executors", tuple(self.executors))
 

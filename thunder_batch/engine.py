@@ -8,7 +8,7 @@ import random
 from collections.abc import Iterator, Sequence
 
 from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
-from thunder_batch.compile import cache_hits, cache_misses, compile_seconds, disk_cache_hits
+from thunder_batch.compile import program_stats
 from thunder_batch.config import EngineConfig, SamplingParams
 from thunder_batch.request import GenerationResult, Request, StepOutput
 from thunder_batch.runner import Runner
@@ -192,12 +192,11 @@ class Engine:
         return self.runner.warmup(progress)
 
     def stats(self) -> dict:
-        fn = self.runner.step_fn
-        misses = cache_misses(fn)
-        return dict(self._counters, compiled_programs=misses, cache_misses=misses, cache_hits=cache_hits(fn),
-                    disk_cache_hits=disk_cache_hits(fn), compile_seconds=compile_seconds(fn),
-                    step_widths=list(self.config.step_widths), running=self.scheduler.num_running(),
-                    waiting=len(self.scheduler.waiting))
+        """Counters: steps, tokens, requests; `cache_misses` (step widths compiled: one per width,
+        whatever the traffic), `programs` (per piece: prefix, block, head, head-unfiltered),
+        `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache)."""
+        return dict(self._counters, **program_stats(self.runner.step_fn), step_widths=list(self.config.step_widths),
+                    running=self.scheduler.num_running(), waiting=len(self.scheduler.waiting))
 
 
 def is_chat(prompt) -> bool:

@@ -99,20 +99,26 @@ def block_forward(block, x, cos, sin, masks, input_pos) -> torch.Tensor:
     return block.post_mlp_norm(block.mlp(x_normed)) + x
 
 
-def forward_hidden(gpt, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-    """Final-norm hidden states for one step. idx, input_pos: [B, T] -> [B, T, C].
+def step_inputs(gpt, idx: torch.Tensor, input_pos: torch.Tensor, cache_len: int):
+    """What every block reads: x [B, T, C], cos/sin [B, T, n_elem], masks (global, window) [B, 1, T, L].
 
     Real positions are < S (= gpt.max_seq_length); padding carries S + t, its scratch cache entry.
     """
     cfg = gpt.config
-    cache_len = gpt.transformer.h[0].attn.kv_cache.k.shape[2]
     rope_pos = torch.remainder(input_pos, gpt.max_seq_length)  # pads read any valid row
     cos = index_select_2d(gpt.cos, 0, rope_pos)  # [B, T, n_elem]
     sin = index_select_2d(gpt.sin, 0, rope_pos)  # [B, T, n_elem]
-    masks = visibility_masks(input_pos, cache_len, cfg)
+    mask_global, mask_window = visibility_masks(input_pos, cache_len, cfg)
     x = gpt.transformer.wte(idx)  # [B, T, C]
     if cfg.scale_embeddings:
         x = x * torch.tensor(cfg.n_embd**0.5, dtype=x.dtype)
+    return x, cos, sin, mask_global, mask_window
+
+
+def forward_hidden(gpt, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    """Final-norm hidden states of every position for one step. idx, input_pos: [B, T] -> [B, T, C]."""
+    cache_len = gpt.transformer.h[0].attn.kv_cache.k.shape[2]
+    x, cos, sin, *masks = step_inputs(gpt, idx, input_pos, cache_len)
     for block in gpt.transformer.h:
         x = block_forward(block, x, cos, sin, masks, input_pos)
     return gpt.transformer.ln_f(x)

@@ -45,8 +45,7 @@ class Runner:
         attach_slot_caches(gpt, config.batch_size, config.max_seq_length + max(config.step_widths))
         self.gpt = gpt
         self.program = StepProgram(gpt)
-        self.step_fn = load_or_compile_program(self.program, config,
-                                               lambda width: self.inputs_for(StepPlan(width, [])).as_args())
+        self.step_fn = load_or_compile_program(self.program, config)
 
     def inputs_for(self, plan: StepPlan) -> StepInputs:
         B, T, S = self.config.batch_size, plan.width, self.config.max_seq_length
@@ -79,12 +78,22 @@ class Runner:
                       disable=not progress, file=sys.stderr)
         for width in widths:
             start = time.perf_counter()
-            self.run(StepPlan(width, []))
+            for filtered in (True, False):  # both heads: with and without the top-k/top-p sort
+                self.run(StepPlan(width, []), filtered)
             seconds[width] = time.perf_counter() - start
         return seconds
 
-    def run(self, plan: StepPlan) -> tuple[list[int], list[float]]:
-        """One step; returns the sampled token and its logprob for every slot (one host sync)."""
+    def run(self, plan: StepPlan, filtered: bool | None = None) -> tuple[list[int], list[float]]:
+        """One step; returns the sampled token and its logprob for every slot (one host sync).
+        The head sorts the vocabulary only when some slot samples with top-k or top-p."""
+        if filtered is None:
+            filtered = needs_filter(plan)
         with torch.no_grad():
-            token, logprob = self.step_fn(*self.inputs_for(plan).as_args())
+            token, logprob = self.step_fn(*self.inputs_for(plan).as_args(), filtered=filtered)
         return token.tolist(), logprob.tolist()
+
+
+def needs_filter(plan: StepPlan) -> bool:
+    """True when a slot samples (temperature > 0) with top-k or top-p: greedy rows never filter."""
+    return any(w.request.params.temperature > 0 and (w.request.params.top_k or w.request.params.top_p < 1)
+               for w in plan.work)

@@ -68,7 +68,8 @@ def filter_top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 
 def batched_sample(
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, position: Tensor
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, position: Tensor,
+    filtered: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """logits[B, V] float (any float dtype; compute in float32), temperature[B] float32 (0 = greedy),
     top_k[B] int64 (0 = no top-k), top_p[B] float32 in (0, 1] (1 = off), seed[B] int64 (>= 0, < 2**31),
@@ -80,9 +81,10 @@ def batched_sample(
     # Greedy rows divide by 1 so no inf/nan is formed; their sampled value is discarded.
     temp = torch.where(greedy, 1.0, temperature)  # [B]
     scaled = logits / temp[:, None]  # [B, V]
-    filtered = filter_top_k_top_p(scaled, top_k, top_p)  # [B, V]
-    # Gumbel-max: argmax(filtered + Gumbel) is a draw from softmax(filtered).
-    noisy = filtered + gumbel_noise(seed, position, logits.shape[-1])  # [B, V]
+    if filtered:  # a Python bool: each value is its own trace
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)  # [B, V]
+    # Gumbel-max: argmax(scaled + Gumbel) is a draw from softmax(scaled).
+    noisy = scaled + gumbel_noise(seed, position, logits.shape[-1])  # [B, V]
     token = torch.where(greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))  # [B]
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     logprob = torch.gather(logprobs, 1, token[:, None]).squeeze(1)  # [B]

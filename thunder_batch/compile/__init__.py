@@ -1,8 +1,9 @@
 """Thunder jit, executor choice and compiled-program inspection.
 
 This package is the only place that touches Thunder: its submodules add the persistent compile
-cache (cache, cached_step, trace_export), in-place KV cache writes (inplace), cheaper cold
-tracing (trace_speedups) and the `thunder-batch compile` command (cli).
+cache (cache, trace_export), the step traced piece by piece with layers sharing block traces
+(layered, pieces, signature), in-place KV cache writes (inplace), cheaper cold tracing
+(trace_speedups) and the `thunder-batch compile` command (cli).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from thunder_batch._compat import import_thunder
 from thunder_batch.config import EngineConfig
+from thunder_batch.program import StepProgram
 
 # User-facing executor names, in the order they should claim ops (first wins).
 KNOWN_EXECUTORS = ("nvfuser", "torchcompile", "sdpa", "torch", "python")
@@ -124,18 +126,21 @@ def compile_program(program: nn.Module, config: EngineConfig) -> Callable:
     return thunder.jit(program, **compile_options(config))
 
 
-def load_or_compile_program(program: nn.Module, config: EngineConfig, probe_inputs: Callable[[int], tuple]) -> Callable:
-    """`compile_program`, backed by the persistent compile cache (config.cache_dir) when tracing:
-    each step shape is loaded from disk if stored there, else traced and stored.
-    probe_inputs(width): arguments of a padding-only step, used to check a loaded program."""
+def load_or_compile_program(program: StepProgram, config: EngineConfig) -> Callable:
+    """The step program to call. Eager: `program` itself. trace="layers" (default): a LayeredProgram
+    whose pieces are traced once per step width or loaded from the compile cache (config.cache_dir).
+    trace="step": the whole step as one Thunder trace per width, kept in memory only."""
     check_compile_setup(program, config)  # fail at construction, not at the first step
-    if config.compile == "eager":
+    if config.compile == "eager" or config.trace == "step":
         return compile_program(program, config)
-    from thunder_batch.compile.cached_step import CachedStepProgram
+    import_thunder()  # the compat patches must come before any thunder import
+    from thunder_batch.compile import trace_speedups
     from thunder_batch.compile.cache import EntryStore, resolve_root
+    from thunder_batch.compile.layered import LayeredProgram
 
-    return CachedStepProgram(program, config, lambda: compile_program(program, config), probe_inputs,
-                             lambda: describe_options(config), EntryStore(resolve_root(config.cache_dir)))
+    trace_speedups.install()
+    return LayeredProgram(program, config, compile_options(config), lambda: describe_options(config),
+                          EntryStore(resolve_root(config.cache_dir)))
 
 
 def describe_options(config: EngineConfig) -> tuple[tuple[str, ...], dict]:
@@ -152,44 +157,33 @@ def is_compiled(fn: Callable) -> bool:
     return not isinstance(fn, nn.Module) or type(fn).__name__ == "ThunderModule"
 
 
-def _cached_stats(fn: Callable) -> dict | None:
-    from thunder_batch.compile.cached_step import CachedStepProgram
+def program_stats(fn: Callable) -> dict:
+    """Counters of the step program: step widths made (`cache_misses`), calls that reused one
+    (`cache_hits`), programs made per piece (`programs`), how many were traced and how many loaded
+    from the compile cache, and the seconds spent making them."""
+    from thunder_batch.compile.layered import LayeredProgram
 
-    return fn.stats() if isinstance(fn, CachedStepProgram) else None
-
-
-def _call_counter(fn: Callable, name: str) -> int:
-    """Thunder's `cache_misses`/`cache_hits` for `fn`, whether cached on disk, jitted, or eager (0)."""
-    if (stats := _cached_stats(fn)) is not None:
-        return stats[name]
-    if not is_compiled(fn):
-        return 0
-    return getattr(import_thunder(), name)(fn)
+    if isinstance(fn, LayeredProgram):
+        return fn.stats()
+    stats = dict(cache_misses=0, cache_hits=0, programs={}, traced=0, disk_cache_hits=0, compile_seconds=0.0)
+    if is_compiled(fn):  # trace="step": one Thunder trace per width
+        thunder = import_thunder()
+        misses = thunder.cache_misses(fn)
+        stats.update(cache_misses=misses, cache_hits=thunder.cache_hits(fn), programs={"step": misses}, traced=misses)
+    return stats
 
 
 def cache_misses(fn: Callable) -> int:
-    """Step programs made for `fn`: traced, or loaded from the compile cache (0 for an eager program)."""
-    return _call_counter(fn, "cache_misses")
+    """Step widths made for `fn`: traced or loaded from the compile cache (0 for an eager program)."""
+    return program_stats(fn)["cache_misses"]
 
 
-def cache_hits(fn: Callable) -> int:
-    return _call_counter(fn, "cache_hits")
+def execution_traces(fn: Callable) -> list:
+    """Thunder's final execution traces of the programs traced in this process: every piece of a
+    layered program (prefix, blocks, heads), or the latest whole-step trace. Programs loaded from
+    the compile cache have no trace object and are not listed."""
+    from thunder_batch.compile.layered import LayeredProgram
 
-
-def disk_cache_hits(fn: Callable) -> int:
-    """Step programs loaded from the persistent compile cache instead of traced."""
-    return (_cached_stats(fn) or {}).get("disk_cache_hits", 0)
-
-
-def compile_seconds(fn: Callable) -> float:
-    """Seconds spent tracing or loading step programs (each shape's first call, run included)."""
-    return (_cached_stats(fn) or {}).get("compile_seconds", 0.0)
-
-
-def last_execution_trace(fn: Callable):
-    """The final execution trace of the most recent traced call (for inspection in tests and tools).
-    A program loaded from the compile cache has no trace object: this raises for those."""
-    fn = getattr(fn, "jitted", fn)
-    if fn is None:
-        raise ValueError("no step program was traced in this process (all were loaded from the compile cache)")
-    return import_thunder().last_traces(fn)[-1]
+    if isinstance(fn, LayeredProgram):
+        return fn.execution_traces()
+    return [import_thunder().last_traces(fn)[-1]] if is_compiled(fn) and cache_misses(fn) else []

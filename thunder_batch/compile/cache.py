@@ -19,7 +19,7 @@ import time
 import warnings
 from pathlib import Path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ENV_VAR = "THUNDER_BATCH_CACHE_DIR"
 DEFAULT_ROOT = "compile_cache"
 # Modules whose source the step program runs: editing any of them invalidates every entry.
@@ -49,8 +49,10 @@ def sha256(text: str | bytes) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CacheKey:
-    """Everything a traced step program depends on; its digest names the entry file."""
+    """Everything a traced piece of the step program depends on; its digest names the entry file."""
 
+    piece: str  # prefix, block, head, head-unfiltered, or layers (which block program each layer runs)
+    signature: str  # block programs: digest of the values Thunder checks on the block (else "")
     model_config: str  # canonical JSON of the litgpt Config
     module_signature: str  # SHA-256 over (name, shape, dtype) of every parameter/buffer and module class
     dtype: str
@@ -99,13 +101,14 @@ def device_kind(device) -> str:
     return device.type
 
 
-def make_key(program, config, args, executors: tuple[str, ...], options: dict) -> CacheKey:
-    """Key of the step program `program` (a StepProgram) traced for call arguments `args`."""
+def make_key(program, config, piece: str, signature: str, args, executors: tuple[str, ...],
+             options: dict) -> CacheKey:
+    """Key of one piece of `program` (a StepProgram) traced for call arguments `args` ([B, T, ...] first)."""
     from thunder_batch.compile.trace_export import tensor_meta
 
-    weight = program.gpt.lm_head.weight
+    weight = program.prefix.gpt.lm_head.weight
     return CacheKey(
-        model_config=canonical_json(dataclasses.asdict(program.gpt.config)),
+        piece=piece, signature=signature, model_config=canonical_json(dataclasses.asdict(program.prefix.gpt.config)),
         module_signature=module_signature(program), dtype=str(weight.dtype),
         device_kind=device_kind(weight.device), batch_size=int(args[0].shape[0]), width=int(args[0].shape[1]),
         max_seq_length=config.max_seq_length, inputs=canonical_json([tensor_meta(a) for a in args]),

@@ -1,9 +1,10 @@
-"""Export a Thunder-traced step program as Python source, and load it back without tracing.
+"""Export a Thunder-traced program as Python source, load it back without tracing, bind it to a module.
 
 Thunder cannot save a compiled program, but its final computation trace prints as Python source
 that, exec'd with the trace's context names, reproduces the program bit for bit. A record holds
 that source, how to re-import every context name, and which module tensor or call argument feeds
-each computation input (found by identity through the prologue, which is bypassed on load).
+each computation input (found by identity through the prologue, which is bypassed on load). The
+same bindings, resolved against another module's tensors, let layers share one trace.
 Anything that cannot be re-imported exactly (a torch.compile or nvFuser fusion region, a CUDA
 graph runner, a closure) makes the program not exportable: it then stays in memory only.
 """
@@ -11,6 +12,7 @@ graph runner, a closure) makes the program not exportable: it then stays in memo
 from __future__ import annotations
 
 import importlib
+import inspect
 import types
 from collections.abc import Callable, Sequence
 
@@ -31,40 +33,47 @@ class NotExportable(Exception):
     """The traced program cannot be stored as source; the reason says which part and why."""
 
 
-def export_program(jitted, args: Sequence[torch.Tensor], module: nn.Module) -> dict:
-    """JSON-able record of the program Thunder has traced for `args` (call `jitted(*args)` first)."""
+def computation_and_inputs(jitted, args: Sequence[torch.Tensor]):
+    """(Thunder's cache entry for `args`, the computation inputs its prologue unpacks); call
+    `jitted(*args)` first. Raises NotExportable when the program needs more than its computation."""
     thunder = import_thunder()
-    # A cache hit inside Thunder: the entry for these args and the inputs its prologue unpacks.
     entry, inputs, pro_to_epi = thunder.compile_data(jitted).get_computation_and_inputs(*args)
     if entry.backward_fn is not None:
         raise NotExportable("the program has a backward pass (trace under torch.no_grad)")
     if pro_to_epi:
         raise NotExportable("the prologue passes values to the epilogue")
-    _check_trivial_epilogue(entry)
+    return entry, inputs
+
+
+def export_record(entry, bindings: list[list]) -> dict:
+    """JSON-able record of a computation: its source, how to re-import its names, its inputs."""
     trace = entry.computation_traces[-1]
     return dict(
         fn_name=trace.siginfo().name,
         source=trace.python(),
         ctx={name: ctx_recipe(name, obj) for name, obj in sorted(trace.python_ctx().items())},
-        inputs=_bind_inputs(inputs, args, module),
-        args=[tensor_meta(a) for a in args],
+        inputs=bindings,
         input_names=[a.name for a in trace.args],
         writes=sorted(_written_inputs(trace)),
+        single_output=single_output(entry),
     )
 
 
-def _check_trivial_epilogue(entry) -> None:
-    """The epilogue must hand the computation's outputs back unchanged (it is skipped on load)."""
-    probes = (object(), object())
+def single_output(entry) -> bool:
+    """Whether the program returns one value (the computation returns a 1-tuple of it). The epilogue
+    must hand the computation's outputs back unchanged: it is skipped when running the computation."""
+    probes = tuple(object() for _ in inspect.signature(entry.epilogue_fn).parameters)
     try:
         out = entry.epilogue_fn(*probes)
     except Exception as e:
         raise NotExportable(f"the epilogue does work of its own ({e})") from e
-    if not (isinstance(out, tuple) and len(out) == 2 and all(a is b for a, b in zip(out, probes))):
+    returned = out if isinstance(out, tuple) else (out,)
+    if len(returned) != len(probes) or not all(a is b for a, b in zip(returned, probes)):
         raise NotExportable("the epilogue does not return the computation's outputs unchanged")
+    return not isinstance(out, tuple)
 
 
-def _bind_inputs(inputs, args, module: nn.Module) -> list[list]:
+def input_bindings(inputs, args: Sequence[torch.Tensor], module: nn.Module) -> list[list]:
     """Per computation input: ["arg", i] or ["tensor", qualified name in `module`]."""
     named = {}
     for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
@@ -157,22 +166,32 @@ def resolve_recipe(recipe: Sequence[str]):
 
 
 # -- loading --------------------------------------------------------------------------------------
-class LoadedProgram:
-    """The stored computation bound to a module: called like the jitted module, no prologue."""
+def load_computation(record: dict) -> Callable:
+    """The stored computation as a function, compiled from its source with its context names."""
+    import_thunder()  # the source imports thunder.executors.torchex; apply the torch patches first
+    ctx = {name: resolve_recipe(recipe) for name, recipe in record["ctx"].items()}
+    code = compile(record["source"], f"thunder_batch.cached.{record['fn_name']}", "exec")
+    exec(code, ctx)
+    return ctx[record["fn_name"]]
 
-    def __init__(self, record: dict, module: nn.Module) -> None:
-        import_thunder()  # the source imports thunder.executors.torchex; apply the torch patches first
-        ctx = {name: resolve_recipe(recipe) for name, recipe in record["ctx"].items()}
-        code = compile(record["source"], f"thunder_batch.cached.{record['fn_name']}", "exec")
-        exec(code, ctx)
-        self.computation: Callable = ctx[record["fn_name"]]
-        self.arg_meta = [list(m) for m in record["args"]]
-        self.bindings = [_resolve_binding(b, module) for b in record["inputs"]]
-        self.writes = [module.get_buffer(name) for name in _written_names(record)]
+
+class BoundComputation:
+    """A computation bound to one module's tensors: called like the jitted module, no prologue.
+
+    bindings: per computation input, ["arg", i] or ["tensor", qualified name, metadata];
+    written: qualified names of the module buffers the computation writes in place;
+    single: the program returns one value (the computation, a 1-tuple)."""
+
+    def __init__(self, computation: Callable, bindings: Sequence, module: nn.Module, written: Sequence[str] = (),
+                 single: bool = False):
+        self.computation, self.single = computation, single
+        self.bindings = [_resolve_binding(b, module) for b in bindings]
+        self.writes = [module.get_buffer(name) for name in written]
 
     def __call__(self, *args: torch.Tensor):
         # Dispatch by signature is the caller's job (as Thunder's prologue checks would be).
-        return self.computation(*(args[b] if isinstance(b, int) else b for b in self.bindings))
+        out = self.computation(*(args[b] if isinstance(b, int) else b for b in self.bindings))
+        return out[0] if self.single else out
 
 
 def _resolve_binding(binding: Sequence, module: nn.Module):
@@ -189,7 +208,14 @@ def _resolve_binding(binding: Sequence, module: nn.Module):
     return tensor
 
 
-def _written_names(record: dict) -> list[str]:
+def written_names(record: dict) -> list[str]:
     """Module buffers the program writes in place (trace input names -> binding names)."""
     written = set(record["writes"])
     return [b[1] for b, n in zip(record["inputs"], record["input_names"]) if n in written and b[0] == "tensor"]
+
+
+def written_in_trace(entry, bindings: Sequence) -> list[str]:
+    """`written_names` for a computation still in memory."""
+    trace = entry.computation_traces[-1]
+    record = dict(writes=_written_inputs(trace), inputs=bindings, input_names=[a.name for a in trace.args])
+    return written_names(record)

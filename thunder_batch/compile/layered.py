@@ -1,0 +1,239 @@
+"""The compiled step: per step width, a prefix, a block program per layer and a head per sampler
+variant, each traced once by Thunder or loaded from the compile cache.
+
+Layers share a block trace whenever Thunder's prologue checks would accept them (see `pieces`), so
+a cold compile traces two or three blocks, not the model's depth. A stored piece is checked on
+first use against the eager module on the same inputs (outputs and in-place cache writes) and
+retraced, with one warning, if it disagrees.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from thunder_batch.compile.cache import EntryStore, make_key, warn
+from thunder_batch.compile.pieces import SharedTraces, TracedPiece, piece_from_record, trace_piece
+from thunder_batch.compile.signature import paths_from_json, paths_to_json
+from thunder_batch.program import StepProgram
+
+# Load-time check of a stored piece against the eager module on the same inputs.
+LOAD_RTOL, LOAD_ATOL = 1e-4, 1e-5
+
+
+class _Width:
+    """The programs of one step width."""
+
+    def __init__(self) -> None:
+        self.prefix: Callable | None = None
+        self.blocks: dict[int, Callable] = {}
+        self.heads: dict[str, Callable] = {}
+        self.shared = SharedTraces()
+        self.blocks_settled = False  # every layer has its program (and they are stored)
+
+
+class LayeredProgram:
+    """Called like the step program; makes each piece's program on first use at each width.
+
+    options: thunder.jit keyword arguments; describe_options(): (executor names, options as data)
+    for the cache key; store: the compile cache, or None to keep programs in memory only."""
+
+    def __init__(self, program: StepProgram, config, options: dict, describe_options: Callable[[], tuple],
+                 store: EntryStore | None) -> None:
+        self.program, self.config, self.options, self.store = program, config, options, store
+        self._describe_options = describe_options
+        self._widths: dict[int, _Width] = {}
+        self.traced: Counter = Counter()  # piece kind -> programs traced in this process
+        self.loaded: Counter = Counter()  # piece kind -> programs loaded from the compile cache
+        self.pieces: list[TracedPiece] = []  # every distinct program made, in order
+        self.calls = 0
+        self.compile_seconds = 0.0
+
+    @torch.no_grad()
+    def __call__(self, idx, input_pos, last_idx, temperature, top_k, top_p, seed, filtered: bool = True):
+        self.calls += 1
+        width = self._widths.setdefault(int(idx.shape[1]), _Width())
+        x, cos, sin, mask_global, mask_window = self._prefix(width, (idx, input_pos))
+        for i in range(len(self.program.blocks)):
+            x = self._block(width, i, (x, cos, sin, mask_global, mask_window, input_pos))
+        if not width.blocks_settled:
+            width.blocks_settled = True
+            self._store_blocks(width, (x, cos, sin, mask_global, mask_window, input_pos))
+        kind = "head" if filtered else "head-unfiltered"
+        head_args = (x, input_pos, last_idx, temperature, top_k, top_p, seed)
+        fn = width.heads.get(kind)
+        if fn is None:
+            fn, out = self._make(kind, self.program.head(filtered), head_args)
+            width.heads[kind] = fn
+            return out
+        return fn(*head_args)
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _prefix(self, width: _Width, args: tuple):
+        if width.prefix is None:
+            width.prefix, out = self._make("prefix", self.program.prefix, args)
+            return out
+        return width.prefix(*args)
+
+    def _block(self, width: _Width, i: int, args: tuple):
+        fn = width.blocks.get(i)
+        if fn is not None:
+            return fn(*args)
+        module = self.program.blocks[i]
+        start = time.perf_counter()
+        try:
+            if not width.shared.traces and self.store is not None:
+                self._load_stored_blocks(width, args)
+            piece = width.shared.find(module)
+            if piece is not None:
+                out = self._first_call(width.shared, piece, module, args)
+                if out is not None:
+                    width.blocks[i] = piece.bind(module)
+                    return out
+            piece, out = trace_piece(module, args, self.options)
+            kept = width.shared.add(piece)
+            self._count(kept is piece, "block", piece, traced=True)
+            width.blocks[i] = kept.bind(module)
+            return out
+        finally:
+            self.compile_seconds += time.perf_counter() - start
+
+    def _first_call(self, shared: SharedTraces, piece: TracedPiece, module, args):
+        """Run a shared piece on a new layer; a stored one is checked first (None: it failed)."""
+        if piece.jitted is not None:
+            return piece.bind(module)(*args)
+        out, problem = checked_call(piece, module, args)
+        if problem:
+            warn(f"compile cache block entry ignored, retracing: failed its load-time check ({problem})")
+            shared.traces.remove(piece)
+            return None
+        return out
+
+    def _make(self, kind: str, module, args: tuple):
+        """A prefix or head program: loaded if stored and sound, else traced (and stored)."""
+        start = time.perf_counter()
+        try:
+            key = self._key(kind, "", args) if self.store is not None else None
+            piece = self._load(key) if key is not None else None
+            if piece is not None:
+                out, problem = checked_call(piece, module, args)
+                if not problem:
+                    self._count(True, kind, piece, traced=False)
+                    return piece.bind(module), out
+                warn(f"compile cache entry {self.store.path(key).name} ignored, retracing: "
+                     f"failed its load-time check ({problem})")
+            piece, out = trace_piece(module, args, self.options)
+            self._count(True, kind, piece, traced=True)
+            if key is not None:
+                self._save(key, piece)
+            return piece.bind(module), out
+        finally:
+            self.compile_seconds += time.perf_counter() - start
+
+    def _count(self, new: bool, kind: str, piece: TracedPiece, traced: bool) -> None:
+        if new:
+            (self.traced if traced else self.loaded)[kind] += 1
+            self.pieces.append(piece)
+        elif traced:
+            self.traced[kind + " (same as an earlier layer)"] += 1
+
+    # -- the compile cache --------------------------------------------------------------------
+    def _key(self, kind: str, signature: str, args: tuple):
+        executors, options = self._describe_options()
+        return make_key(self.program, self.config, kind, signature, args, executors, options)
+
+    def _load(self, key) -> TracedPiece | None:
+        record = self.store.load(key)
+        if record is None:
+            return None
+        try:
+            return piece_from_record(record)
+        except Exception as e:
+            warn(f"compile cache entry {self.store.path(key).name} ignored, retracing: unloadable "
+                 f"({type(e).__name__}: {e})")
+            return None
+
+    def _save(self, key, piece: TracedPiece) -> None:
+        if piece.record is None:
+            warn(f"{key.piece} program for width {key.width} not stored in the compile cache: {piece.not_stored}")
+            return
+        self.store.save(key, piece.record)
+
+    def _load_stored_blocks(self, width: _Width, args: tuple) -> None:
+        """The stored block programs of this width and the values found not to matter."""
+        layout = self.store.load(self._key("layers", "", args))
+        if layout is None:
+            return
+        width.shared.ignored = paths_from_json(layout["ignored"])
+        for digest in layout["blocks"]:
+            piece = self._load(self._key("block", digest, args))
+            if piece is None:
+                width.shared = SharedTraces()  # all or nothing: trace this width's blocks afresh
+                return
+            width.shared.traces.append(piece)
+            self._count(True, "block", piece, traced=False)
+
+    def _store_blocks(self, width: _Width, args: tuple) -> None:
+        """After the first pass over every layer: store the block programs and the layout, unless
+        they all came from the store."""
+        shared = width.shared
+        if self.store is None or all(piece.jitted is None for piece in shared.traces):
+            return
+        digests = [shared.digest(piece) for piece in shared.traces]
+        for digest, piece in zip(digests, shared.traces):
+            self._save(self._key("block", digest, args), piece)
+        if all(piece.record is not None for piece in shared.traces):
+            ignored = paths_to_json(shared.ignored)
+            self.store.save(self._key("layers", "", args), dict(ignored=ignored, blocks=digests))
+
+    # -- inspection ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """cache_misses counts step widths made: one per width, whatever the traffic."""
+        programs = Counter()
+        for counter in (self.traced, self.loaded):
+            for kind, n in counter.items():
+                if "(" not in kind:
+                    programs[kind] += n
+        return dict(cache_misses=len(self._widths), cache_hits=max(self.calls - len(self._widths), 0),
+                    programs=dict(programs), traced=sum(self.traced.values()),
+                    disk_cache_hits=sum(self.loaded.values()), compile_seconds=self.compile_seconds)
+
+    def execution_traces(self) -> list:
+        """Thunder's final execution traces of every piece traced in this process."""
+        return [t for t in (piece.execution_trace() for piece in self.pieces) if t is not None]
+
+
+def checked_call(piece: TracedPiece, module, args: tuple):
+    """Run a stored piece and the eager module on the same inputs from the same buffer state;
+    returns (the piece's outputs, what disagrees or None). Outputs and in-place writes must agree."""
+    bound = piece.bind(module)
+    before = [b.clone() for b in bound.writes]
+    want = module(*args)
+    after_eager = [b.clone() for b in bound.writes]
+    for buffer, saved in zip(bound.writes, before):
+        buffer.copy_(saved)
+    try:
+        got = bound(*args)
+    except Exception as e:
+        return None, f"raised {type(e).__name__}: {e}"
+    got_t, want_t = _flat(got), _flat(want)
+    if len(got_t) != len(want_t) or not all(_close(g, w) for g, w in zip(got_t, want_t)):
+        return got, "outputs differ from eager"
+    if not all(_close(b, e) for b, e in zip(bound.writes, after_eager)):
+        return got, "KV cache writes differ from eager (not written in place?)"
+    return got, None
+
+
+def _flat(value) -> list[torch.Tensor]:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if got.dtype.is_floating_point:
+        return torch.allclose(got, want, rtol=LOAD_RTOL, atol=LOAD_ATOL)
+    return torch.equal(got, want)
