@@ -39,7 +39,7 @@ first = next(iter(engine.stream([prompt], SamplingParams(max_new_tokens=2))))
 ttft = time.perf_counter() - START
 stats = engine.stats()
 print(json.dumps(dict(per_width_s=per_width, import_s=imported, model_s=loaded - imported, compile_s=warm - loaded, ttft_s=ttft,
-                      traced=stats["cache_misses"] - stats["disk_cache_hits"], disk_cache_hits=stats["disk_cache_hits"],
+                      traced=stats["traced"], disk_cache_hits=stats["disk_cache_hits"],
                       compile_seconds=stats["compile_seconds"], first_token=first.token_ids)))
 """
 

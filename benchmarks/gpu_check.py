@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 MODES = {"eager": dict(compile="eager"), "thunder": dict(compile="thunder"),
-         "thunder-cudagraphs": dict(compile="thunder", cuda_graphs=True),
+         "thunder-cudagraphs": dict(compile="thunder", cuda_graphs=True, trace="step"),
          "thunder-torchcompile": dict(compile="thunder", executors=("torchcompile", "torch"))}
 
 
@@ -199,10 +199,13 @@ def bench_one(gpt_bf16, mode: str, batch: int, prompt_len: int, new: int) -> dic
 def trace_summary(engine: Engine) -> dict:
     """Which executors run the traced step's top-level ops, and its fusion regions (CUDA graphs show
     up as one CUDAGraphTransform region per captured stretch)."""
-    from thunder_batch.compile import executor_claims, fusion_regions, last_execution_trace
+    from collections import Counter
 
-    trace = last_execution_trace(engine.runner.step_fn)
-    return {"executor_claims": executor_claims(trace), "fusion_regions": fusion_regions(trace)}
+    from thunder_batch.compile import executor_claims, execution_traces, fusion_regions
+
+    traces = execution_traces(engine.runner.step_fn)
+    claims = sum((Counter(executor_claims(t)) for t in traces), Counter())
+    return {"executor_claims": dict(claims), "fusion_regions": [r for t in traces for r in fusion_regions(t)]}
 
 
 def run_benchmark(report: Report, gpt, device: str, batches: list[int], modes: list[str]) -> None:

@@ -24,6 +24,9 @@ FAMILY_CONFIGS = {
     # embeddings, GeGLU, alternating sliding-window layers, attention_scores_scalar
     "gemma2": dict(name="gemma-2-2b", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
                    intermediate_size=128, attention_scores_scalar=16),
+    # Gemma-2 with a window short enough to bite: layers alternate sliding-window and global attention
+    "gemma2_window": dict(name="gemma-2-2b", n_layer=4, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
+                          intermediate_size=128, attention_scores_scalar=16, sliding_window_size=6),
     # Phi-2: parallel residual with a shared attention norm, partial rotary, GELU MLP
     "phi2": dict(name="phi-2", n_layer=2, n_embd=64, n_head=4, n_query_groups=4, head_size=16,
                  intermediate_size=128),

@@ -1,8 +1,8 @@
 """Persistent compile cache: keys, loads in a fresh process, bit-identical outputs, in-place KV
 writes, and fail-safe handling of every kind of bad entry or root.
 
-One trace of a 1-layer model serves the whole file (module fixture); everything else loads it,
-edits the entry on disk, or exercises the store without tracing.
+One cold run of a 1-layer model (prefix, block, head traced and stored) serves the whole file
+(module fixture); everything else loads it, edits an entry on disk, or exercises the store.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from thunder_batch.compile import cli as compile_cli
 from thunder_batch.compile.cache import (
     FORMAT_VERSION, CacheKey, CompileCacheWarning, EntryStore, canonical_json, read_entry, resolve_root, sha256,
 )
-from thunder_batch.compile.cached_step import CachedStepProgram
-from thunder_batch.compile.trace_export import LoadedProgram, NotExportable, ctx_recipe
+from thunder_batch.compile.pieces import piece_from_record
+from thunder_batch.compile.trace_export import NotExportable, ctx_recipe
 from thunder_batch.scheduler import StepPlan
 
-CONFIG = dict(batch_size=2, max_seq_length=16, prefill_chunk=1)  # one step width: one trace
+CONFIG = dict(batch_size=2, max_seq_length=16, prefill_chunk=1)  # one step width
 PROMPTS = [[1, 2, 3], [4, 5]]
 PARAMS = SamplingParams(max_new_tokens=4, temperature=0.8, top_k=20, seed=7)  # sampling: logprobs matter
+PIECES = {"prefix", "block", "layers", "head"}  # what one width of a 1-layer model stores (filtered head only)
 TESTS_DIR = Path(__file__).parent
 
 
@@ -46,29 +47,68 @@ def outputs(results) -> list:
     return [(r.token_ids, [float(x).hex() for x in r.logprobs]) for r in results]
 
 
+def entries(root: Path) -> dict[str, Path]:
+    """Entry file per piece kind (one width: one entry each)."""
+    return {json.loads(p.read_text())["key"]["piece"]: p for p in sorted(root.glob("*.json"))}
+
+
+def key_of_entry(path: Path) -> CacheKey:
+    fields = json.loads(path.read_text())["key"]
+    return CacheKey(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
+                       for k, v in fields.items()})
+
+
+def cache_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, CompileCacheWarning)]
+
+
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    """A cold engine whose entry path first holds garbage: it must warn once, trace, overwrite."""
+    """A cold engine: every piece traced once and stored, no warning."""
     root = tmp_path_factory.mktemp("cache")
     engine = make_engine(root)
-    fn = engine.runner.step_fn
-    key = fn._key(engine.runner.inputs_for(StepPlan(1, [])).as_args())
-    path = fn.store.path(key)
-    path.write_bytes(b"\x00garbage")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = engine.generate(PROMPTS, PARAMS)
-    cache_warnings = [w for w in caught if issubclass(w.category, CompileCacheWarning)]
-    return dict(root=root, engine=engine, key=key, path=path, outputs=outputs(results), warnings=cache_warnings)
+    path = entries(root)["block"]
+    return dict(root=root, engine=engine, key=key_of_entry(path), path=path, outputs=outputs(results),
+                warnings=cache_warnings(caught))
 
 
-def test_bad_entry_is_retraced_and_overwritten(traced):
-    assert len(traced["warnings"]) == 1 and "truncated" in str(traced["warnings"][0].message)
+def test_cold_start_stores_every_piece(traced):
+    assert traced["warnings"] == []
     stats = traced["engine"].stats()
-    assert (stats["cache_misses"], stats["disk_cache_hits"]) == (1, 0)
+    assert (stats["cache_misses"], stats["traced"], stats["disk_cache_hits"]) == (1, 3, 0)
+    assert stats["programs"] == {"prefix": 1, "block": 1, "head": 1}
+    assert set(entries(traced["root"])) == PIECES
     record, problem = read_entry(traced["path"], traced["key"])
     assert problem is None and record["fn_name"] == "computation"
-    assert not list(traced["root"].glob(".*.tmp"))  # atomic write left no temp file
+    assert not list(traced["root"].glob(".*.tmp"))  # atomic writes left no temp file
+
+
+def test_bad_entry_is_retraced_and_overwritten(traced, tmp_path):
+    """A garbage entry: one warning, that piece alone is traced again and its entry rewritten."""
+    root = copy_root(traced, tmp_path)
+    head = root / entries(traced["root"])["head"].name
+    head.write_bytes(b"\x00garbage")
+    engine = make_engine(root)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert outputs(engine.generate(PROMPTS, PARAMS)) == traced["outputs"]
+    messages = cache_warnings(caught)
+    assert len(messages) == 1 and "truncated" in messages[0], messages
+    stats = engine.stats()
+    assert (stats["traced"], stats["disk_cache_hits"]) == (1, 2)  # the head traced; prefix and block loaded
+    assert read_entry(head, key_of_entry(head))[1] is None  # rewritten whole
+
+
+def copy_root(traced, tmp_path) -> Path:
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    for path in traced["root"].glob("*.json"):
+        shutil.copy(path, root)
+        (root / path.name).chmod(0o600)
+    return root
 
 
 def test_fresh_process_loads_bit_identical_outputs(traced):
@@ -86,26 +126,27 @@ def test_fresh_process_loads_bit_identical_outputs(traced):
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [list(map(list, o)) for o in traced["outputs"]] == loaded["outputs"]
     stats = loaded["stats"]
-    assert (stats["cache_misses"], stats["disk_cache_hits"]) == (1, 1)  # loaded, not traced
+    assert (stats["cache_misses"], stats["traced"], stats["disk_cache_hits"]) == (1, 0, 3)  # loaded, not traced
     assert stats["compile_seconds"] < 0.5 * traced["engine"].stats()["compile_seconds"]
 
 
 @torch.no_grad()
-def test_loaded_program_matches_traced_step_and_writes_cache_in_place(traced):
+def test_loaded_block_matches_traced_block_and_writes_cache_in_place(traced):
     runner = traced["engine"].runner
+    (block_piece,) = [p for p in runner.step_fn.pieces if p.record and p.record["writes"]]
     twin = copy.deepcopy(runner.program)  # same weights and cache contents, separate buffers
     record, _ = read_entry(traced["path"], traced["key"])
-    loaded = LoadedProgram(record, twin)
-    args = runner.inputs_for(StepPlan(1, [])).as_args()
-    args[0][:, 0], args[1][:, 0] = torch.tensor([9, 10]), torch.tensor([5, 3])  # real tokens at real positions
-    caches = [block.attn.kv_cache for block in twin.gpt.transformer.h]
-    before = [c.k[:, :, 5].clone() for c in caches]
-    want, got = runner.step_fn.jitted(*args), loaded(*args)
-    assert all(torch.equal(w, g) for w, g in zip(want, got))
-    for block, twin_cache, old in zip(runner.gpt.transformer.h, caches, before):
-        assert torch.equal(block.attn.kv_cache.k, twin_cache.k) and torch.equal(block.attn.kv_cache.v, twin_cache.v)
-        assert not torch.equal(twin_cache.k[:, :, 5], old)  # written in place by the loaded program
-    assert [id(b) for b in loaded.writes] == [id(caches[0].k), id(caches[0].v)]  # found from the trace
+    loaded = piece_from_record(record).bind(twin.blocks[0])
+    idx, pos = torch.tensor([[9], [10]]), torch.tensor([[5], [3]])  # real tokens at real positions
+    args = (*twin.prefix(idx, pos), pos)
+    cache = twin.blocks[0].block.attn.kv_cache
+    before = cache.k[:, :, 5].clone()
+    want, got = block_piece.jitted(*args), loaded(*args)
+    assert torch.equal(want, got)
+    original = runner.program.blocks[0].block.attn.kv_cache
+    assert torch.equal(original.k, cache.k) and torch.equal(original.v, cache.v)
+    assert not torch.equal(cache.k[:, :, 5], before)  # written in place by the loaded program
+    assert [id(b) for b in loaded.writes] == [id(cache.k), id(cache.v)]  # found from the trace
 
 
 # -- keys -------------------------------------------------------------------------------------
@@ -120,8 +161,8 @@ def test_every_key_field_changes_the_digest(traced):
 @pytest.mark.parametrize("change", ["batch_size", "max_seq_length", "prefill_chunk", "executors", "cuda_graphs",
                                     "model", "dtype", "versions", "program_source"])
 def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monkeypatch):
-    def key_of(engine, width=1):
-        return engine.runner.step_fn._key(engine.runner.inputs_for(StepPlan(width, [])).as_args())
+    def key_of(engine, width=1):  # the prefix's key: every field but the piece's own
+        return engine.runner.step_fn._key("prefix", "", engine.runner.inputs_for(StepPlan(width, [])).as_args()[:2])
 
     base = key_of(make_engine(tmp_path))
     if change in ("batch_size", "max_seq_length"):
@@ -178,8 +219,8 @@ DAMAGE = {
     "stale version": (lambda body: rehash({**body, "key": {**body["key"], "versions": [["torch", "0.0"]]}}), "stale"),
     "unloadable": (lambda body: rehash({**body, "record": {**body["record"], "ctx": {
         **body["record"]["ctx"], "torch": ["module", "no_such_module"]}}}), "unloadable"),
-    "wrong outputs": (edit_source("return (", "return (lambda a, b: (a + 1, b))("), "tokens"),
-    # the last layer's V cache write goes to a copy that attention reads, and is never copied back
+    "wrong outputs": (edit_source("return (", "return (lambda *outs: tuple(o + 1 for o in outs))("), "outputs differ"),
+    # the V cache write goes to a copy that attention reads, and is never copied back
     "not in place": (lambda body: edit_source("= copy_(", "= (lambda a, b, grad_enabled: a)(")(edit_source(
         "= thunder_batch_scatter_into(", "= (lambda a, dim, index, src: a.clone().scatter_(dim, index, src))(")(body)),
         "KV cache writes"),
@@ -187,20 +228,18 @@ DAMAGE = {
 
 
 def fresh_engine_with_entry(traced, tmp_path, text: str):
-    root = tmp_path / "cache"
-    root.mkdir(mode=0o700)
+    """An engine on a copy of the sound cache whose block entry holds `text`."""
+    root = copy_root(traced, tmp_path)
     (root / traced["path"].name).write_text(text)
-    (root / traced["path"].name).chmod(0o600)
-    engine = make_engine(root)
-    return engine, engine.runner.inputs_for(StepPlan(1, [])).as_args()
+    return make_engine(root)
 
 
-def load_with_warnings(engine, args):
-    fn: CachedStepProgram = engine.runner.step_fn
+def step_with_warnings(engine):
+    """One padding-only step; the compile-cache warnings it raised."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hit = fn._load(fn._key(args), args)
-    return hit and hit[0], [str(w.message) for w in caught if issubclass(w.category, CompileCacheWarning)]
+        engine.runner.run(StepPlan(1, []), filtered=True)
+    return cache_warnings(caught)
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
@@ -208,30 +247,30 @@ def test_damaged_entry_is_a_miss_with_one_warning(traced, tmp_path, kind):
     damage, expected = DAMAGE[kind]
     text = traced["path"].read_text()
     text = damage(text) if kind in ("truncated", "corrupt") else canonical_json(damage(json.loads(text)))
-    engine, args = fresh_engine_with_entry(traced, tmp_path, text)
-    loaded, messages = load_with_warnings(engine, args)
-    assert loaded is None
+    engine = fresh_engine_with_entry(traced, tmp_path, text)
+    messages = step_with_warnings(engine)
     assert len(messages) == 1 and expected in messages[0], messages
+    stats = engine.stats()
+    assert stats["traced"] == 1 and stats["programs"] == {"prefix": 1, "block": 1, "head": 1}  # the block retraced
 
 
 def test_missing_entry_is_a_plain_miss(tmp_path):
     """No entry yet is the normal cold start: traced and stored, no warning."""
     engine = make_engine(tmp_path)
-    loaded, messages = load_with_warnings(engine, engine.runner.inputs_for(StepPlan(1, [])).as_args())
-    assert loaded is None and messages == []
+    assert step_with_warnings(engine) == [] and engine.stats()["traced"] == 3
 
 
 def test_sound_entry_loads_without_warning(traced, tmp_path):
-    engine, args = fresh_engine_with_entry(traced, tmp_path, traced["path"].read_text())
-    loaded, messages = load_with_warnings(engine, args)
-    assert isinstance(loaded, LoadedProgram) and messages == []
+    engine = fresh_engine_with_entry(traced, tmp_path, traced["path"].read_text())
+    assert step_with_warnings(engine) == []
+    assert (engine.stats()["traced"], engine.stats()["disk_cache_hits"]) == (0, 3)
 
 
 @pytest.mark.parametrize("target", ["root", "entry"])
 def test_paths_others_can_write_are_refused(traced, tmp_path, target):
     """Entries are code that will run: a group/other-writable root or entry is never loaded."""
-    engine, args = fresh_engine_with_entry(traced, tmp_path, traced["path"].read_text())
-    key, root = engine.runner.step_fn._key(args), engine.runner.step_fn.store.root
+    fresh_engine_with_entry(traced, tmp_path, traced["path"].read_text())
+    key, root = traced["key"], tmp_path / "cache"
     (root if target == "root" else root / traced["path"].name).chmod(0o777 if target == "root" else 0o666)
     with pytest.warns(CompileCacheWarning, match="writable by group or others") as caught:
         assert EntryStore(root).load(key) is None
@@ -302,19 +341,19 @@ def test_torchcompile_programs_run_but_are_not_stored(tmp_path):
     engine = make_engine(tmp_path, executors=("torchcompile", "torch", "python"))
     with pytest.warns(CompileCacheWarning, match="torch.compile"):
         engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=1))
+    assert engine.stats()["not_stored"] == 3
     assert not list(tmp_path.glob("*.json"))
 
 
 def test_compile_command_lists_and_clears(traced, tmp_path, capsys):
-    root = tmp_path / "cache"
-    root.mkdir(mode=0o700)
-    shutil.copy(traced["path"], root)
+    root = copy_root(traced, tmp_path)
     (root / "damaged.json").write_text("{")
     (root / ".left.tmp").write_text("")
     (root / "README.md").write_text("kept")
     compile_cli.compile_command(list=True, cache_dir=str(root))
     out = capsys.readouterr().out
-    assert "2 entries" in out and "B=2 T=1 S=16" in out and " ok" in out and "BAD" in out
+    assert "5 entries" in out and "B=2 T=1 S=16" in out and out.count(" ok") == 4 and "BAD" in out
+    assert all(f"  {piece} " in out for piece in PIECES)
     compile_cli.compile_command(clear=True, cache_dir=str(root))
     assert [p.name for p in root.iterdir()] == ["README.md"]
 
@@ -332,5 +371,5 @@ def test_two_engines_compiling_the_same_key_at_once(tmp_path):
     """)
     procs = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True) for _ in range(2)]
     assert [p.wait(timeout=600) for p in procs] == [0, 0], [p.stderr.read()[-2000:] for p in procs]
-    (entry,) = tmp_path.iterdir()  # one entry, no temp files
-    assert read_entry(entry, None)[1] is None
+    assert set(entries(tmp_path)) == PIECES and len(list(tmp_path.iterdir())) == len(PIECES)  # no temp files
+    assert all(read_entry(entry, None)[1] is None for entry in tmp_path.iterdir())

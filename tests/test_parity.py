@@ -34,7 +34,7 @@ def test_eager_matches_litgpt(family):
 
 
 @pytest.mark.regression
-@pytest.mark.parametrize("family", ["pythia", "llama", "gemma2"])
+@pytest.mark.parametrize("family", ["pythia", "llama", "gemma2", "gemma2_window"])
 def test_thunder_matches_litgpt(family, thunder_engine):
     engine = thunder_engine(family)
     run_parity(family, engine)

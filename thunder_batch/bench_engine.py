@@ -13,7 +13,6 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -79,15 +78,15 @@ def compile_engine(gpt, system: str, batch_size: int, ctx: BenchContext):
     seconds = engine.warmup(progress=ctx.progress)
     if config.compile == "eager":
         return engine, dict(first_step_s=sum(seconds.values()), per_width_s=seconds), []
-    info = dict(cold_s=sum(seconds.values()), cold_per_width_s=seconds, traced=engine.stats()["cache_misses"],
+    info = dict(cold_s=sum(seconds.values()), cold_per_width_s=seconds, traced=engine.stats()["traced"],
                 cache_dir=cache_dir, executors=list(config.executors))
-    stored = len(list(Path(cache_dir).glob("*.json")))
+    not_stored = engine.stats()["not_stored"]
     notes = []
     if not ctx.warm_compile:
         notes.append("warm compile not measured (--warm-compile false)")
-    elif stored < len(config.step_widths):
-        notes.append(f"warm compile not measured: only {stored} of {len(config.step_widths)} step programs "
-                     f"could be stored in the compile cache (a reload would retrace)")
+    elif not_stored:
+        notes.append(f"warm compile not measured: {not_stored} traced programs could not be stored in the "
+                     "compile cache (a reload would retrace)")
     else:
         del engine
         engine = build_engine(gpt, config, ctx)

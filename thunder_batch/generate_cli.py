@@ -81,6 +81,6 @@ def _report(err: Console, engine, texts: dict, compile_s: float, elapsed: float)
     tokens = stats["generated_tokens"]
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     err.print(f"{len(texts)} prompts, {tokens} tokens in {elapsed:.2f}s ({tokens / max(elapsed, 1e-9):.1f} tokens/s), "
-              f"{stats['steps']} steps; compile {compile_s:.1f}s ({stats['cache_misses']} programs, {stats['disk_cache_hits']} from disk); "
+              f"{stats['steps']} steps; compile {compile_s:.1f}s ({stats['traced']} programs traced, {stats['disk_cache_hits']} from disk); "
               f"peak RSS {peak_rss_mb:.0f} MiB")
     print(file=sys.stderr, flush=True)

@@ -165,11 +165,13 @@ def program_stats(fn: Callable) -> dict:
 
     if isinstance(fn, LayeredProgram):
         return fn.stats()
-    stats = dict(cache_misses=0, cache_hits=0, programs={}, traced=0, disk_cache_hits=0, compile_seconds=0.0)
+    stats = dict(cache_misses=0, cache_hits=0, programs={}, traced=0, not_stored=0, disk_cache_hits=0,
+                 compile_seconds=0.0)
     if is_compiled(fn):  # trace="step": one Thunder trace per width
         thunder = import_thunder()
         misses = thunder.cache_misses(fn)
-        stats.update(cache_misses=misses, cache_hits=thunder.cache_hits(fn), programs={"step": misses}, traced=misses)
+        stats.update(cache_misses=misses, cache_hits=thunder.cache_hits(fn), programs={"step": misses}, traced=misses,
+                     not_stored=misses)
     return stats
 
 

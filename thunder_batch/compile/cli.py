@@ -17,7 +17,7 @@ def entry_files(root: Path) -> list[Path]:
 
 
 def list_entries(root: Path) -> None:
-    """One line per entry: digest, model, B x T, cache length, dtype, device, size, age, status."""
+    """One line per entry: digest, piece, model, B x T, cache length, dtype, device, size, age, status."""
     files = entry_files(root)
     print(f"{root}: {len(files)} entr{'y' if len(files) == 1 else 'ies'}")
     for path in files:
@@ -25,13 +25,14 @@ def list_entries(root: Path) -> None:
         try:
             key = json.loads(path.read_text(encoding="utf-8"))["key"]
             model = json.loads(key["model_config"]).get("name", "?")
+            piece = key["piece"] + (f" {key['signature'][:8]}" if key["signature"] else "")
             shape = f"B={key['batch_size']} T={key['width']} S={key['max_seq_length']}"
             where = f"{key['dtype'].removeprefix('torch.')} {key['device_kind']} {','.join(key['executors'])}"
         except (OSError, ValueError, KeyError, TypeError):
-            model, shape, where = "?", "?", "?"
+            piece, model, shape, where = "?", "?", "?", "?"
         age_h = (time.time() - path.stat().st_mtime) / 3600
         status = "ok" if record is not None else f"BAD: {problem}"
-        print(f"  {path.stem}  {model}  {shape}  {where}  {path.stat().st_size / 1e6:.2f} MB  {age_h:.1f} h  {status}")
+        print(f"  {path.stem}  {piece:<15}  {model}  {shape}  {where}  {path.stat().st_size / 1e6:.2f} MB  {age_h:.1f} h  {status}")
 
 
 def clear_entries(root: Path) -> None:
@@ -44,8 +45,8 @@ def clear_entries(root: Path) -> None:
 
 
 def fill(checkpoint_dir, batch_size: int, max_seq_length: int, prefill_chunk: int, precision: str, root: Path) -> None:
-    """Trace (or load) every step width into the cache, then load all of them again from disk as a
-    fresh engine would, and print both times."""
+    """Trace (or load) every piece of every step width into the cache, then load all of them again
+    from disk as a fresh engine would, and print both times."""
     import torch
 
     from thunder_batch.config import EngineConfig
@@ -56,15 +57,15 @@ def fill(checkpoint_dir, batch_size: int, max_seq_length: int, prefill_chunk: in
     engine = Engine.from_checkpoint(checkpoint_dir, config, dtype=getattr(torch, precision))
     first = sum(engine.warmup(progress=True).values())
     stats = engine.stats()
-    print(f"first pass: {first:.1f}s ({stats['cache_misses'] - stats['disk_cache_hits']} traced, "
-          f"{stats['disk_cache_hits']} already cached)", file=sys.stderr)
+    print(f"first pass: {first:.1f}s ({stats['traced']} pieces traced, {stats['disk_cache_hits']} already cached; "
+          f"programs per piece {stats['programs']})", file=sys.stderr)
     again = Engine(engine.runner.gpt, config, engine.tokenizer, engine.prompt_style)  # a fresh runner, same weights
     warm = sum(again.warmup(progress=True).values())
     loaded = again.stats()["disk_cache_hits"]
-    print(f"warm (loaded from {root}): {warm:.1f}s for {loaded} of {len(config.step_widths)} step programs",
+    print(f"warm (loaded from {root}): {warm:.1f}s, {loaded} pieces loaded for {len(config.step_widths)} step widths",
           file=sys.stderr)
     print(json.dumps(dict(cache_dir=str(root), step_widths=list(config.step_widths), first_pass_s=round(first, 2),
-                          traced=stats["cache_misses"] - stats["disk_cache_hits"], warm_s=round(warm, 2),
+                          traced=stats["traced"], programs=stats["programs"], warm_s=round(warm, 2),
                           loaded=loaded)))
 
 

@@ -109,6 +109,8 @@ class LayeredProgram:
         if problem:
             warn(f"compile cache block entry ignored, retracing: failed its load-time check ({problem})")
             shared.traces.remove(piece)
+            self.pieces.remove(piece)
+            self.loaded["block"] -= 1
             return None
         return out
 
@@ -199,6 +201,7 @@ class LayeredProgram:
                     programs[kind] += n
         return dict(cache_misses=len(self._widths), cache_hits=max(self.calls - len(self._widths), 0),
                     programs=dict(programs), traced=sum(self.traced.values()),
+                    not_stored=sum(piece.record is None for piece in self.pieces if piece.jitted is not None),
                     disk_cache_hits=sum(self.loaded.values()), compile_seconds=self.compile_seconds)
 
     def execution_traces(self) -> list:

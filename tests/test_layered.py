@@ -1,0 +1,113 @@
+"""The step traced piece by piece: layers share a block trace exactly when Thunder's prologue
+checks allow, outputs stay bit-identical to eager and to the whole-step trace, and a stored
+layout is only used for layers whose checks pass."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from conftest import mixed_prompts, tiny_gpt
+from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch.compile.cache import CompileCacheWarning
+
+CONFIG = dict(batch_size=3, max_seq_length=48, prefill_chunk=4)
+BLOCK_IDX = (("submodule", "block.attn"), ("attr", "block_idx"))
+
+
+def run(engine: Engine) -> list:
+    """Greedy and sampled requests (both heads); tokens and logprobs, bit for bit."""
+    prompts = mixed_prompts(6, [1, 3, 6, 11])
+    params = [SamplingParams(max_new_tokens=5, temperature=[0.0, 0.9, 0.7][i % 3], top_p=[1.0, 1.0, 0.8][i % 3],
+                             seed=i) for i in range(6)]
+    return [(r.token_ids, [float(x).hex() for x in r.logprobs]) for r in engine.generate(prompts, params)]
+
+
+def engine_for(gpt, tmp_path, **config) -> Engine:
+    """A Thunder engine with every piece made up front (both heads at both widths)."""
+    engine = Engine(gpt, EngineConfig(**{**CONFIG, **config}, cache_dir=str(tmp_path)))
+    engine.warmup()
+    return engine
+
+
+def block_programs(engine: Engine, width: int) -> list[int]:
+    """For each layer, which distinct computation runs it at this width (0, 1, ... in order of use)."""
+    blocks = engine.runner.step_fn._widths[width].blocks
+    ids = [id(blocks[i].computation) for i in range(len(blocks))]
+    return [list(dict.fromkeys(ids)).index(i) for i in ids]
+
+
+@pytest.mark.regression
+def test_uniform_layers_share_one_block_trace(tmp_path):
+    engine = engine_for(tiny_gpt("llama", n_layer=4), tmp_path)
+    assert run(engine) == run(Engine(tiny_gpt("llama", n_layer=4), EngineConfig(compile="eager", **CONFIG)))
+    assert [block_programs(engine, w) for w in (1, 4)] == [[0, 0, 0, 0]] * 2
+    stats = engine.stats()
+    assert stats["programs"] == {"prefix": 2, "block": 2, "head": 2, "head-unfiltered": 2}
+    # Per width, layer 1 is traced once more: its trace equals layer 0's, so the value their checks
+    # differ on (litgpt's block_idx) is learned not to matter, and layers 2 and 3 trace nothing.
+    assert engine.runner.step_fn.traced["block"] == 2
+    assert engine.runner.step_fn.traced["block (same as an earlier layer)"] == 2
+    assert all(w.shared.ignored == {BLOCK_IDX} for w in engine.runner.step_fn._widths.values())
+
+
+@pytest.mark.regression
+def test_a_layer_with_a_different_attribute_gets_its_own_trace(tmp_path):
+    def model():
+        gpt = tiny_gpt("llama", n_layer=4)
+        gpt.transformer.h[2].norm_1.eps = 0.5  # a plain attribute Thunder bakes into the trace
+        return gpt
+
+    eager = run(Engine(model(), EngineConfig(compile="eager", **CONFIG)))
+    assert eager != run(Engine(tiny_gpt("llama", n_layer=4), EngineConfig(compile="eager", **CONFIG)))  # it matters
+    engine = engine_for(model(), tmp_path)
+    assert run(engine) == eager
+    assert [block_programs(engine, w) for w in (1, 4)] == [[0, 0, 1, 0]] * 2
+
+
+@pytest.mark.regression
+def test_alternating_sliding_windows_get_two_block_traces(tmp_path):
+    engine = engine_for(tiny_gpt("gemma2_window"), tmp_path)
+    assert run(engine) == run(Engine(tiny_gpt("gemma2_window"), EngineConfig(compile="eager", **CONFIG)))
+    assert [block_programs(engine, w) for w in (1, 4)] == [[0, 1, 0, 1]] * 2
+
+
+@pytest.mark.regression
+def test_whole_step_trace_gives_the_same_outputs(tmp_path):
+    layered = run(engine_for(tiny_gpt("pythia"), tmp_path))
+    whole = Engine(tiny_gpt("pythia"), EngineConfig(**CONFIG, trace="step"))
+    whole.warmup()
+    assert run(whole) == layered
+    assert whole.stats()["programs"] == {"step": 4}  # 2 widths x 2 heads, each one whole trace
+
+
+def test_cuda_graphs_need_the_whole_step_trace():
+    with pytest.raises(ValueError, match="trace='step'"):
+        EngineConfig(cuda_graphs=True)
+    with pytest.raises(ValueError, match="trace must be one of"):
+        EngineConfig(trace="blocks")
+
+
+@pytest.mark.regression
+def test_stored_layout_is_used_only_where_its_checks_pass(tmp_path):
+    """A warm start loads every piece; a layer changed since (same tensors, so the same keys) fails
+    its stored program's checks and is traced, without a warning, while the others still load."""
+    cold = engine_for(tiny_gpt("llama", n_layer=4), tmp_path)
+    want = run(cold)
+    warm = engine_for(tiny_gpt("llama", n_layer=4), tmp_path)
+    assert run(warm) == want
+    assert (warm.stats()["traced"], warm.stats()["disk_cache_hits"]) == (0, 8)
+
+    def changed():
+        gpt = tiny_gpt("llama", n_layer=4)
+        gpt.transformer.h[3].norm_2.eps = 0.5
+        return gpt
+
+    engine = engine_for(changed(), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileCacheWarning)
+        outputs = run(engine)
+    assert outputs == run(Engine(changed(), EngineConfig(compile="eager", **CONFIG)))
+    assert [block_programs(engine, w) for w in (1, 4)] == [[0, 0, 0, 1]] * 2
+    assert engine.runner.step_fn.traced == {"block": 2}  # layer 3 at each width; everything else loaded
