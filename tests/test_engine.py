@@ -116,7 +116,7 @@ def test_stats_count_steps_and_tokens():
     engine.generate([[1, 2, 3]] * 2, SamplingParams(max_new_tokens=5))
     stats = engine.stats()
     assert stats["generated_tokens"] == 10 and stats["prompt_tokens"] == 6 and stats["steps"] == 5
-    assert stats["cache_misses"] == 0 and stats["compiled_programs"] == 0  # eager: nothing traced
+    assert stats["cache_misses"] == 0 and stats["programs"] == {} and stats["traced"] == 0  # eager: nothing traced
     assert stats["step_widths"] == [1, 8]
 
 

@@ -84,7 +84,7 @@ def test_compile_options_enable_nvfuser_scatter_and_cuda_graphs(monkeypatch):
     from thunder.transforms.cudagraph import CUDAGraphTransform
 
     monkeypatch.setattr(tb_compile, "resolve_executors", lambda names: list(names))  # nvFuser needs no GPU here
-    options = compile_options(EngineConfig(executors=("nvfuser", "torch"), cuda_graphs=True))
+    options = compile_options(EngineConfig(executors=("nvfuser", "torch"), cuda_graphs=True, trace="step"))
     assert options["executors"] == ["nvfuser", "torch"]
     assert options["nv_enable_scatter"] is True
     assert [type(t).__name__ for t in options["transforms"]] == ["InplaceScatter", "CUDAGraphTransform"]
@@ -104,7 +104,7 @@ def test_executors_and_cuda_graphs_need_thunder():
 
 def test_cuda_graphs_need_a_cuda_device():
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device; it is on cpu"):
-        Engine(tiny(), EngineConfig(cuda_graphs=True, **SHAPE))
+        Engine(tiny(), EngineConfig(cuda_graphs=True, trace="step", **SHAPE))
 
 
 # -- parity per executor (traced) ---------------------------------------------------------------

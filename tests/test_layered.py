@@ -79,12 +79,13 @@ def test_whole_step_trace_gives_the_same_outputs(tmp_path):
     whole = Engine(tiny_gpt("pythia"), EngineConfig(**CONFIG, trace="step"))
     whole.warmup()
     assert run(whole) == layered
-    assert whole.stats()["programs"] == {"step": 4}  # 2 widths x 2 heads, each one whole trace
+    assert whole.stats()["programs"] == {"step": 2}  # one whole trace per width, always with the sort
 
 
 def test_cuda_graphs_need_the_whole_step_trace():
     with pytest.raises(ValueError, match="trace='step'"):
         EngineConfig(cuda_graphs=True)
+    EngineConfig(cuda_graphs=True, trace="step")
     with pytest.raises(ValueError, match="trace must be one of"):
         EngineConfig(trace="blocks")
 

@@ -47,7 +47,7 @@ class EngineConfig:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.trace not in TRACE_MODES:
             raise ValueError(f"trace must be one of {TRACE_MODES}, got {self.trace!r}")
-        if self.cuda_graphs and self.trace != "step":
+        if self.cuda_graphs and self.compile == "thunder" and self.trace != "step":
             # A captured graph holds its first layer's tensors: layers cannot share it.
             raise ValueError("cuda_graphs=True needs trace='step' (a CUDA graph cannot be shared by layers)")
         if self.executors is not None:

@@ -46,6 +46,10 @@ class Runner:
         self.gpt = gpt
         self.program = StepProgram(gpt)
         self.step_fn = load_or_compile_program(self.program, config)
+        # A head without the top-k/top-p sort is one more small piece, but one more whole trace of
+        # the model with trace="step": there, every step keeps the sort.
+        whole_step = config.compile == "thunder" and config.trace == "step"
+        self.head_variants = (True,) if whole_step else (True, False)
 
     def inputs_for(self, plan: StepPlan) -> StepInputs:
         B, T, S = self.config.batch_size, plan.width, self.config.max_seq_length
@@ -78,7 +82,7 @@ class Runner:
                       disable=not progress, file=sys.stderr)
         for width in widths:
             start = time.perf_counter()
-            for filtered in (True, False):  # both heads: with and without the top-k/top-p sort
+            for filtered in self.head_variants:  # with and without the top-k/top-p sort
                 self.run(StepPlan(width, []), filtered)
             seconds[width] = time.perf_counter() - start
         return seconds
@@ -87,7 +91,7 @@ class Runner:
         """One step; returns the sampled token and its logprob for every slot (one host sync).
         The head sorts the vocabulary only when some slot samples with top-k or top-p."""
         if filtered is None:
-            filtered = needs_filter(plan)
+            filtered = needs_filter(plan) or self.head_variants == (True,)
         with torch.no_grad():
             token, logprob = self.step_fn(*self.inputs_for(plan).as_args(), filtered=filtered)
         return token.tolist(), logprob.tolist()
