@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import mixed_prompts, tiny_gpt
+from thunder_batch._compat import import_thunder
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch import compile as tb_compile
 from thunder_batch.compile import (KNOWN_EXECUTORS, cache_misses, compile_options, executor_availability,
@@ -81,6 +82,7 @@ def test_thunder_registers_the_executors_we_name():
 
 @pytest.mark.regression
 def test_compile_options_enable_nvfuser_scatter_and_cuda_graphs(monkeypatch):
+    import_thunder()  # the compat patches before thunder's own imports, also when this test runs alone
     from thunder.transforms.cudagraph import CUDAGraphTransform
 
     monkeypatch.setattr(tb_compile, "resolve_executors", lambda names: list(names))  # nvFuser needs no GPU here
