@@ -222,7 +222,8 @@ DAMAGE = {
     "wrong outputs": (edit_source("return (", "return (lambda *outs: tuple(o + 1 for o in outs))("), "outputs differ"),
     # the V cache write goes to a copy that attention reads, and is never copied back
     "not in place": (lambda body: edit_source("= copy_(", "= (lambda a, b, grad_enabled: a)(")(edit_source(
-        "= thunder_batch_scatter_into(", "= (lambda a, dim, index, src: a.clone().scatter_(dim, index, src))(")(body)),
+        "= thunder_batch_index_copy_into(", "= (lambda a, dim, index, src: a.clone().index_copy_(dim, index, src))(")(
+            body)),
         "KV cache writes"),
 }
 

@@ -182,7 +182,7 @@ def test_cuda_graphs_match_eager_with_the_cache_written_in_place(executors, prom
 @needs_cuda
 @pytest.mark.cuda
 @pytest.mark.regression
-def test_nvfuser_matches_eager_and_fuses_the_cache_scatter(prompts):
+def test_nvfuser_matches_eager_and_writes_the_cache_in_place(prompts):
     why = executor_availability()["nvfuser"]
     if why is not None:
         pytest.skip(f"nvFuser unavailable: {why}")
@@ -191,4 +191,5 @@ def test_nvfuser_matches_eager_and_fuses_the_cache_scatter(prompts):
     traces = execution_traces(engine.runner.step_fn)
     assert any(name.startswith("nvFusion") for t in traces for name in fusion_regions(t))
     unfused = [b.sym.name for t in traces for b in t.bound_symbols if not b.sym.is_fusion]
-    assert not [n for n in unfused if n.startswith("scatter")], "nv_enable_scatter=True should fuse the KV write"
+    # nvFuser does not claim index_copy: the KV write runs in place in our executor, never as a copy
+    assert not [n for n in unfused if n in ("index_copy", "scatter")], unfused

@@ -1,5 +1,5 @@
-"""compile.inplace: under the torch executor each KV cache write is one in-place scatter, not
-scatter-into-a-copy + copy back; caches, tokens and compiled outputs stay equal to eager."""
+"""compile.inplace: under the torch executor each KV cache write is one in-place index_copy_ (or
+scatter_), not a write into a copy + copy back; caches, tokens and compiled outputs stay equal to eager."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import ENGINE_CONFIG, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import compile_options, execution_traces
-from thunder_batch.compile.inplace import OPERATOR
+from thunder_batch.compile.inplace import INDEX_COPY_OPERATOR, OPERATOR
 
 
 def ops(trace) -> list[tuple[str, str | None]]:
@@ -33,9 +33,9 @@ def test_cache_writes_run_in_place_and_match_eager():
         torch.testing.assert_close(a.attn.kv_cache.k, b.attn.kv_cache.k, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a.attn.kv_cache.v, b.attn.kv_cache.v, rtol=1e-5, atol=1e-6)
     per_trace = [ops(trace) for trace in execution_traces(traced.runner.step_fn)]
-    writes = [names.count((OPERATOR, "thunder_batch")) for names in per_trace]
+    writes = [names.count((INDEX_COPY_OPERATOR, "thunder_batch")) for names in per_trace]
     assert sorted(set(writes)) == [0, 2], writes  # each block program: K and V in place; prefix and heads: none
-    assert not any(("scatter", "torch") in names for names in per_trace)
+    assert not any(("index_copy", "torch") in names for names in per_trace)
     assert traced.stats()["cache_misses"] == 2
 
 
@@ -71,3 +71,20 @@ def test_in_place_scatter_of_an_input_matches_eager():
     expected = f(expected_t, idx, val)
     assert torch.equal(jitted(t, idx, val), expected) and torch.equal(t, expected_t)
     assert (OPERATOR, "thunder_batch") in ops(thunder.last_traces(jitted)[-1])
+
+
+def test_in_place_index_copy_through_a_view_matches_eager():
+    """The KV cache write's shape: index_copy_ into a flat view of a tensor the program is given."""
+    thunder = import_thunder()
+
+    def f(t, rows, val):
+        t.view(-1, 2).index_copy_(0, rows, val)
+        return t * 2
+
+    jitted = thunder.jit(f, **compile_options(EngineConfig(executors=("torch",))))
+    t, rows, val = torch.arange(8.0).view(2, 4), torch.tensor([3, 0]), torch.full((2, 2), -1.0)
+    expected_t = t.clone()
+    expected = f(expected_t, rows, val)
+    assert torch.equal(jitted(t, rows, val), expected) and torch.equal(t, expected_t)
+    names = ops(thunder.last_traces(jitted)[-1])
+    assert (INDEX_COPY_OPERATOR, "thunder_batch") in names and ("index_copy", "torch") not in names

@@ -1,10 +1,12 @@
 """Index ops with a batched index `idx[B, T]`, traceable by Thunder, any dim of any ndim.
 
 litgpt's `batched_index_copy_` loops over the batch in Python (see the seed thread); these
-lower to one `index_select` (a gather: nvFuser's `take`) and one `scatter_` instead.
+lower to one `index_select` (a gather: nvFuser's `take`) and one row-wise `index_copy_` instead.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,17 +33,23 @@ def index_select_2d(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tenso
 def index_copy_2d(t: torch.Tensor, dim: int, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
     """In place: `t[b, ..., idx[b, i], ...] = val[b, ..., i, ...]` along `dim` (>= 1) for every b.
 
-    t: [B, *pre, S, *post], idx: [B, T], val: [B, *pre, T, *post]. Indices within a row must be
-    distinct (as for `index_copy_`). Returns `t`.
+    t: [B, *pre, S, *post] contiguous, idx: [B, T], val: [B, *pre, T, *post]. Indices within a row
+    must be distinct (as for `index_copy_`). Returns `t`.
+    One `index_copy_` of whole rows into `t` seen as [B * P * S, *post] (P = prod(pre)): a row copy,
+    where `scatter_` writes element by element (50x slower for bfloat16 on CPU, 10x for float32).
     """
     dim = _normalize_dim(dim, t.ndim)
     if dim == 0:
         raise ValueError("index_copy_2d indexes per batch row: dim must not be the batch dim 0")
+    if not t.is_contiguous():
+        raise ValueError("index_copy_2d writes through a flat view: t must be contiguous")
     B, T = idx.shape
-    view_shape = [B] + [1] * (t.ndim - 1)
-    view_shape[dim] = T
-    expanded = idx.reshape(view_shape).expand(val.shape)  # [B, *pre, T, *post]
-    return t.scatter_(dim, expanded, val)
+    S, P = t.shape[dim], math.prod(t.shape[1:dim])
+    post = t.shape[dim + 1:]
+    row_base = torch.arange(B * P, device=idx.device).view(B, P, 1) * S  # [B, P, 1]: first row of (b, p)
+    rows = (row_base + idx.view(B, 1, T)).reshape(B * P * T)  # [B*P*T]
+    t.view(B * P * S, *post).index_copy_(0, rows, val.reshape(B * P * T, *post))
+    return t
 
 
 def index_select_2d_reference(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:

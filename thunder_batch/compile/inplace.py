@@ -1,10 +1,10 @@
 """KV cache writes in place under Thunder's torch executor.
 
-Thunder turns the cache write `t.scatter_(dim, idx, val)` into `u = scatter(t, dim, idx, val)` (a new
-tensor: a full copy of the cache) then `copy_(u, t)` (a second full copy). That is four whole-cache
-copies per layer per step, where eager writes only the B x T new entries. `InplaceScatter` rewrites
-each such pair the torch executor runs into one in-place `scatter_`; the `copy_` that follows then
-copies the buffer onto itself, which torch skips. Fused regions (torch.compile, nvFuser) are left
+Thunder turns the cache write `t.index_copy_(dim, idx, val)` (likewise `scatter_`) into
+`u = index_copy(t, dim, idx, val)` (a new tensor: a full copy of the cache) then `copy_(u, t)` (a
+second full copy). That is four whole-cache copies per layer per step, where eager writes only the
+B x T new entries. `InplaceScatter` rewrites each such pair the torch executor runs into the
+in-place op; the `copy_` that follows then copies the buffer onto itself, which torch skips. Fused regions (torch.compile, nvFuser) are left
 alone: they plan their own writes.
 """
 
@@ -15,6 +15,7 @@ import torch
 from thunder_batch._compat import import_thunder
 
 OPERATOR = "thunder_batch_scatter_into"
+INDEX_COPY_OPERATOR = "thunder_batch_index_copy_into"
 
 
 def scatter_into(a: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -22,8 +23,17 @@ def scatter_into(a: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tens
     return a.scatter_(dim, index, src)
 
 
-def _operator():
-    """The Thunder symbol running `scatter_into`, registered once with its own executor."""
+def index_copy_into(a: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`a.index_copy_(dim, index, src)`, returning `a` itself (the KV cache write, see index_ops)."""
+    return a.index_copy_(dim, index, src)
+
+
+# The torch executor's out-of-place op -> (Thunder operator name, the in-place function running it).
+IN_PLACE = {"scatter": (OPERATOR, scatter_into), "index_copy": (INDEX_COPY_OPERATOR, index_copy_into)}
+
+
+def _operators() -> dict:
+    """op name -> the Thunder symbol running its in-place twin, registered once with our executor."""
     import_thunder()
     from thunder.core.proxies import TensorProxy
     from thunder.extend import OperatorExecutor, get_executor, register_executor
@@ -32,29 +42,31 @@ def _operator():
     if executor is None:
         executor = OperatorExecutor("thunder_batch", version="1")
         register_executor(executor)
-    if OPERATOR not in executor.opmap:
-        executor.register_operator(OPERATOR, meta=lambda a, dim, index, src: TensorProxy(like=a), fn=scatter_into)
-    return executor.opmap[OPERATOR]
+    for name, fn in IN_PLACE.values():
+        if name not in executor.opmap:
+            executor.register_operator(name, meta=lambda a, dim, index, src: TensorProxy(like=a), fn=fn)
+    return {op: executor.opmap[name] for op, (name, _) in IN_PLACE.items()}
 
 
 def rewrite(bound_symbols: list) -> tuple[list, int]:
     """(new bound symbols, pairs rewritten). A pair qualifies when the torch executor runs
-    `u = scatter(t, ...)`, a later `copy_(u, t)` writes it back, and nothing else reads `u` or
-    reads/writes `t` in between (an earlier in-place write would change what they see)."""
-    op = _operator()
+    `u = scatter(t, ...)` or `u = index_copy(t, ...)`, a later `copy_(u, t)` writes it back, and
+    nothing else reads `u` or reads/writes `t` in between (an earlier in-place write would change
+    what they see)."""
+    operators = _operators()
     out, rewritten = list(bound_symbols), 0
     for i, bsym in enumerate(bound_symbols):
-        if not _is_torch_scatter(bsym):
+        if not _is_torch_out_of_place(bsym):
             continue
         if _written_back(bound_symbols, i, target=bsym.args[0], result=bsym.output):
-            out[i] = op.bind(*bsym.args, output=bsym.output)
+            out[i] = operators[bsym.sym.name].bind(*bsym.args, output=bsym.output)
             rewritten += 1
     return out, rewritten
 
 
-def _is_torch_scatter(bsym) -> bool:
+def _is_torch_out_of_place(bsym) -> bool:
     executor = bsym.sym.executor
-    return (bsym.sym.name == "scatter" and getattr(executor, "name", None) == "torch" and len(bsym.args) == 4
+    return (bsym.sym.name in IN_PLACE and getattr(executor, "name", None) == "torch" and len(bsym.args) == 4
             and not bsym.kwargs)
 
 

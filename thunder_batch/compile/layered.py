@@ -222,11 +222,11 @@ def checked_call(piece: TracedPiece, module, args: tuple):
         got = bound(*args)
     except Exception as e:
         return None, f"raised {type(e).__name__}: {e}"
+    if not all(_close(b, e) for b, e in zip(bound.writes, after_eager)):
+        return got, "KV cache writes differ from eager (not written in place?)"
     got_t, want_t = _flat(got), _flat(want)
     if len(got_t) != len(want_t) or not all(_close(g, w) for g, w in zip(got_t, want_t)):
         return got, "outputs differ from eager"
-    if not all(_close(b, e) for b, e in zip(bound.writes, after_eager)):
-        return got, "KV cache writes differ from eager (not written in place?)"
     return got, None
 
 

@@ -93,13 +93,15 @@ def input_bindings(inputs, args: Sequence[torch.Tensor], module: nn.Module) -> l
 
 def _written_inputs(trace) -> set[str]:
     """Names of computation inputs the program writes in place: targets of Thunder's copy_,
-    followed back through update_aliases to the input they alias."""
+    followed back through update_aliases and views to the input they alias."""
     root: dict[str, str] = {}
     written = set()
     for bsym in trace.bound_symbols:
         if bsym.sym.name == "update_aliases":
             for before, after in zip(bsym.args[0], bsym.output):
                 root[after.name] = root.get(before.name, before.name)
+        elif bsym.sym.name == "view":  # a write through a view writes the viewed tensor
+            root[bsym.output.name] = root.get(bsym.args[0].name, bsym.args[0].name)
         elif bsym.sym.name == "copy_":
             target = root.get(bsym.args[1].name, bsym.args[1].name)
             written.add(target)
