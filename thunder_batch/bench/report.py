@@ -7,10 +7,11 @@ import math
 import os
 import platform
 import sys
-from importlib import metadata
 
-from thunder_batch.bench_baselines import SystemRun
-from thunder_batch.metrics import ModelCost, latency_metrics, throughput_metrics, useful_flops
+from thunder_batch.bench.parity import compare_tokens
+from thunder_batch.bench.system import SystemRun
+from thunder_batch.versions import package_versions
+from thunder_batch.bench.metrics import ModelCost, latency_metrics, throughput_metrics, useful_flops
 
 SEQUENTIAL, BATCHED, EAGER = "litgpt-sequential", "litgpt-batched", "eager"
 TARGETS = dict(vs_litgpt_sequential=12.0, vs_litgpt_batched=2.0, vs_eager=1.2, decode_peak_fraction_b32=0.4)
@@ -50,18 +51,6 @@ def run_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_slot_
                 ttft_samples_ms=[1000 * t.ttft for t in run.traces if t.ttft is not None],
                 compile=run.compile, memory=run.memory, **step_metrics(run, cost, peaks, kv_bytes_per_slot_step),
                 notes=run.notes, **run.extra)
-
-
-def compare_tokens(reference: list[list[int]], tokens: list[list[int]]) -> dict:
-    """Greedy-token check of one system against the reference: mismatched requests, first divergence."""
-    bad = [i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b]
-    out = dict(mismatched_requests=len(bad), checked_requests=len(reference), first_mismatch=None)
-    if bad:
-        a, b = reference[bad[0]], tokens[bad[0]]
-        pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        out["first_mismatch"] = dict(request=bad[0], position=pos, expected=a[pos:pos + 5], got=b[pos:pos + 5],
-                                     expected_len=len(a), got_len=len(b))
-    return out
 
 
 def reference_run(runs: list[SystemRun]) -> SystemRun | None:
@@ -135,12 +124,7 @@ def targets(metrics: list[dict]) -> list[dict]:
 def machine_info(device) -> dict:
     import torch
 
-    versions = {}
-    for dist in ("torch", "lightning-thunder", "litgpt", "thunder_batch", "tokenizers", "litserve"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
+    versions = package_versions(("torch", "lightning-thunder", "litgpt", "thunder_batch", "tokenizers", "litserve"))
     cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                 if line.startswith("model name")), platform.processor())
     mem = next((int(line.split()[1]) * 1024 for line in _read("/proc/meminfo").splitlines()
