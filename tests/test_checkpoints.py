@@ -17,13 +17,8 @@ import torch
 from litgpt.generate.base import generate
 
 from thunder_batch import checkpoints, gguf_convert
-from thunder_batch.checkpoints import (
-    DEFAULT_MODEL_NAME,
-    convert_gguf_to_litgpt,
-    default_checkpoint_dir,
-    load_checkpoint,
-    validate_checkpoint_dir,
-)
+from thunder_batch.checkpoints import DEFAULT_MODEL_NAME, default_checkpoint_dir, load_checkpoint, validate_checkpoint_dir
+from thunder_batch.gguf_convert import convert_gguf_to_litgpt
 
 PROMPT = "The capital of France is"
 PROMPT_IDS = [1, 504, 3575, 282, 4649, 314]  # <|im_start|> (litgpt's BOS for SmolLM2-*-Instruct dirs) + prompt
@@ -127,7 +122,7 @@ def test_default_dir_converts_once(tmp_path, monkeypatch):
         calls.append(out_dir)
         return _write_fake_checkpoint(Path(out_dir))
 
-    monkeypatch.setattr(checkpoints, "convert_gguf_to_litgpt", fake_convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_litgpt", fake_convert)
     first = default_checkpoint_dir(tmp_path)
     second = default_checkpoint_dir(tmp_path)
     assert first == second == tmp_path / DEFAULT_MODEL_NAME
@@ -135,7 +130,7 @@ def test_default_dir_converts_once(tmp_path, monkeypatch):
 
 
 def test_default_dir_reports_broken_dir_instead_of_overwriting(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoints, "convert_gguf_to_litgpt", _never_convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_litgpt", _never_convert)
     _write_fake_checkpoint(tmp_path / DEFAULT_MODEL_NAME, skip="lit_model.pth")
     with pytest.raises(FileNotFoundError, match="lit_model.pth"):
         default_checkpoint_dir(tmp_path)
@@ -320,7 +315,7 @@ def test_tokenizer_matches_naive_bpe(loaded, gguf_reader):
 @pytest.mark.slow
 def test_default_dir_reuses_conversion(converted_dir, monkeypatch):
     mtime = os.stat(converted_dir / "lit_model.pth").st_mtime_ns
-    monkeypatch.setattr(checkpoints, "convert_gguf_to_litgpt", _never_convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_litgpt", _never_convert)
     assert default_checkpoint_dir(converted_dir.parent) == converted_dir
     assert os.stat(converted_dir / "lit_model.pth").st_mtime_ns == mtime
     assert not [p for p in converted_dir.parent.iterdir() if p.name.startswith(".")]  # no temp dir left

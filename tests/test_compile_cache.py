@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import thunder_batch.compile.cache as cc
-from conftest import tiny_gpt
+from helpers import tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.compile import cli as compile_cli
 from thunder_batch.compile.cache import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
+from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import mixed_prompts, tiny_gpt
+from helpers import mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch import compile as tb_compile
 from thunder_batch.compile import (KNOWN_EXECUTORS, cache_misses, compile_options, executor_availability,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
+from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import last_execution_trace

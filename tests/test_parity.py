@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from conftest import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
+from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 
 # 1 token up to more than 3 chunks; 12 prompts through 4 slots, so slots are reused.

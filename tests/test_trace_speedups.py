@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from conftest import tiny_gpt
+from helpers import tiny_gpt
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import compile_options, compile_program, trace_speedups
 from thunder_batch.config import EngineConfig

@@ -69,10 +69,10 @@ class CacheKey:
 
 
 def versions() -> tuple[tuple[str, str], ...]:
-    from importlib.metadata import version
+    from thunder_batch.versions import package_versions
 
-    packages = ("torch", "lightning-thunder", "litgpt", "thunder_batch")
-    return (("python", sys.version.split()[0]), *((p, version(p)) for p in packages))
+    packages = package_versions(("torch", "lightning-thunder", "litgpt", "thunder_batch"))
+    return (("python", sys.version.split()[0]), *packages.items())
 
 
 def program_source_hash() -> str:
