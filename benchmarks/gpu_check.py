@@ -27,9 +27,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_check_report import Report, environment  # noqa: E402
 from thunder_batch import Engine, EngineConfig, SamplingParams  # noqa: E402
 from thunder_batch.bench.parity import compare_tokens, litgpt_greedy, random_weights  # noqa: E402
+
+from gpu_check_report import Report, environment  # noqa: E402
 
 PARITY = dict(batch_size=4, max_seq_length=128, prefill_chunk=16)  # two step widths: chunked prefill + decode
 PARITY_LENGTHS = [5, 17, 33, 2, 12, 40]  # 6 prompts through 4 slots: slots are reused

@@ -4,6 +4,7 @@ Helpers (tiny models, the greedy oracle) live in helpers.py."""
 from __future__ import annotations
 
 import pytest
+
 from helpers import ENGINE_CONFIG, FAMILY_CONFIGS, tiny_gpt
 
 

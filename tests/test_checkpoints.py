@@ -17,7 +17,12 @@ import torch
 from litgpt.generate.base import generate
 
 from thunder_batch import checkpoints, gguf_convert
-from thunder_batch.checkpoints import DEFAULT_MODEL_NAME, default_checkpoint_dir, load_checkpoint, validate_checkpoint_dir
+from thunder_batch.checkpoints import (
+    DEFAULT_MODEL_NAME,
+    default_checkpoint_dir,
+    load_checkpoint,
+    validate_checkpoint_dir,
+)
 from thunder_batch.gguf_convert import convert_gguf_to_litgpt
 
 PROMPT = "The capital of France is"
@@ -182,9 +187,11 @@ def test_converted_dir_matches_gguf(converted_dir, gguf_reader):
     assert validate_checkpoint_dir(converted_dir) == converted_dir
     assert converted_dir.name == DEFAULT_MODEL_NAME
     config = litgpt.Config.from_file(converted_dir / "model_config.yaml")
-    expect = {"n_layer": "llama.block_count", "n_embd": "llama.embedding_length", "n_head": "llama.attention.head_count",
+    expect = {"n_layer": "llama.block_count", "n_embd": "llama.embedding_length",
+              "n_head": "llama.attention.head_count",
               "n_query_groups": "llama.attention.head_count_kv", "intermediate_size": "llama.feed_forward_length",
-              "rope_base": "llama.rope.freq_base", "vocab_size": "llama.vocab_size", "head_size": "llama.rope.dimension_count"}
+              "rope_base": "llama.rope.freq_base", "vocab_size": "llama.vocab_size",
+              "head_size": "llama.rope.dimension_count"}
     for field, key in expect.items():
         assert getattr(config, field) == pytest.approx(_meta(gguf_reader, key)), field
     assert config.norm_eps == pytest.approx(_meta(gguf_reader, "llama.attention.layer_norm_rms_epsilon"), rel=1e-6)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
+
+from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 
 
 def engine_for(gpt=None, **overrides) -> Engine:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ENGINE_CONFIG, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import compile_options, last_execution_trace
 from thunder_batch.compile.inplace import OPERATOR
+
+from helpers import ENGINE_CONFIG, mixed_prompts, tiny_gpt
 
 
 def ops(trace) -> list[tuple[str, str | None]]:

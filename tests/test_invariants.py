@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import last_execution_trace
 from thunder_batch.kv_cache import attach_slot_caches
 from thunder_batch.model import forward_hidden, visibility_masks
 from thunder_batch.program import StepProgram
+
+from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 
 S, C = ENGINE_CONFIG["max_seq_length"], ENGINE_CONFIG["prefill_chunk"]
 

@@ -15,10 +15,11 @@ import httpx
 import openai
 import psutil
 import pytest
-from live_server import KEY, ROOT, Server
 
 from thunder_batch.config import SamplingParams
 from thunder_batch.serve.openai import CHAT, COMPLETION, APIError, parse_request
+
+from live_server import KEY, ROOT, Server
 
 ENGINE = dict(batch_size=8, max_seq_length=128, prefill_chunk=8)  # the server's and the offline oracle's
 MODEL = "SmolLM2-135M-Instruct"
@@ -34,7 +35,8 @@ def test_parse_chat_defaults_and_text_parts():
     job = parse_request(body(model="anything", messages=[{"role": "user", "content": parts}]), CHAT)
     assert job.prompt == [{"role": "user", "content": "Hi there"}]
     # OpenAI's defaults: temperature 1, and a chat reply may fill the rest of the context (None)
-    assert job.params == SamplingParams(max_new_tokens=None, temperature=1.0, top_p=1.0, top_k=None, stop=None, seed=None)
+    defaults = SamplingParams(max_new_tokens=None, temperature=1.0, top_p=1.0, top_k=None, stop=None, seed=None)
+    assert job.params == defaults
     assert (job.stream, job.include_usage) == (False, False)
 
 
@@ -112,12 +114,12 @@ def test_check_api_key():
 
 # -- the worker side on a tiny model (token ids, no tokenizer) ---------------------------------
 def tiny_api(board: dict):
-    from helpers import tiny_gpt
-
     from thunder_batch import Engine
     from thunder_batch.cli import EngineOptions
     from thunder_batch.serve.routes import OpenAIRoutes
     from thunder_batch.serve.worker import EngineAPI
+
+    from helpers import tiny_gpt
 
     options = EngineOptions(batch_size=2, max_seq_length=32, prefill_chunk=4, compile="eager")
     api = EngineAPI(options, OpenAIRoutes("tiny", board, 1000))

@@ -8,8 +8,8 @@ else at the project's pins), and usable in any environment:
 Prints the versions tested (python, torch, lightning-thunder against its pin, litgpt), streams
 pytest, then a summary block; writes <out>/summary.json and <out>/junit.xml. Exit status: 0 when
 every selected test passed or skipped, else non-zero (pytest's status; 1 when nothing was collected).
-Reads versions from package metadata (thunder_batch.versions): nothing here imports thunder. The tests get a fresh compile
-cache (THUNDER_BATCH_CACHE_DIR, unless set), so the Thunder under test traces every program.
+Reads versions from package metadata (thunder_batch.versions): nothing here imports thunder. The tests get
+a fresh compile cache (THUNDER_BATCH_CACHE_DIR, unless set), so the Thunder under test traces every program.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's package, installed or not
 
 from thunder_batch.versions import package_versions  # noqa: E402  (imports no torch or thunder)
+
 PACKAGES = ("torch", "lightning-thunder", "litgpt")
 
 

@@ -192,7 +192,8 @@ def make_context(gpt, tokenizer, opts: dict, max_seq_length: int):
     return BenchContext(device=gpt.lm_head.weight.device, max_seq_length=max_seq_length,
                         prefill_chunk=min(opts["prefill_chunk"], max_seq_length),
                         eos_id=getattr(tokenizer, "eos_id", None), ignore_eos=opts["ignore_eos"], tokenizer=tokenizer,
-                        progress=opts["progress"], cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
+                        progress=opts["progress"],
+                        cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
                         warm_compile=opts["warm_compile"], profile=opts["profile"])
 
 
@@ -206,8 +207,8 @@ def measure_peaks(device, matmul_n: int = 2048, copy_mb: int = 256) -> dict:
 
 def assemble(runs, gpt, workload, ctx, opts, peaks, skipped, model_label) -> dict:
     from thunder_batch.bench import report
-    from thunder_batch.bench.workloads import describe
     from thunder_batch.bench.metrics import ModelCost
+    from thunder_batch.bench.workloads import describe
 
     cost = ModelCost.of(gpt)
     # Each decode step's attention reads every slot's whole K and V buffers (masked, not cut).

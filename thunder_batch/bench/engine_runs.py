@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from thunder_batch.bench.metrics import PeakMemory, RequestTrace
 from thunder_batch.bench.system import BenchContext, SystemRun, fresh_model, progress_bar
 from thunder_batch.bench.workloads import BenchRequest
 from thunder_batch.config import EngineConfig, SamplingParams
-from thunder_batch.bench.metrics import PeakMemory, RequestTrace
 
 # system name -> executors (None: eager). sdpa is listed so attention is not decomposed.
 ENGINE_SYSTEMS = {

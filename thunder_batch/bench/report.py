@@ -8,10 +8,10 @@ import os
 import platform
 import sys
 
+from thunder_batch.bench.metrics import ModelCost, latency_metrics, throughput_metrics, useful_flops
 from thunder_batch.bench.parity import compare_tokens
 from thunder_batch.bench.system import SystemRun
 from thunder_batch.versions import package_versions
-from thunder_batch.bench.metrics import ModelCost, latency_metrics, throughput_metrics, useful_flops
 
 SEQUENTIAL, BATCHED, EAGER = "litgpt-sequential", "litgpt-batched", "eager"
 TARGETS = dict(vs_litgpt_sequential=12.0, vs_litgpt_batched=2.0, vs_eager=1.2, decode_peak_fraction_b32=0.4)
@@ -38,7 +38,8 @@ def step_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_slot
         nbytes = len(steps) * (cost.weight_bytes + B * kv_bytes_per_slot_step)
         out[name] = dict(steps=len(steps), mean_step_ms=1000 * seconds / len(steps), flops_per_s=flops / seconds,
                          peak_matmul_fraction=flops / seconds / peaks["matmul_flops_per_s"],
-                         bytes_per_s=nbytes / seconds, copy_bandwidth_fraction=nbytes / seconds / peaks["copy_bytes_per_s"])
+                         bytes_per_s=nbytes / seconds,
+                         copy_bandwidth_fraction=nbytes / seconds / peaks["copy_bytes_per_s"])
     return out
 
 
@@ -117,7 +118,8 @@ def targets(metrics: list[dict]) -> list[dict]:
             frac = best.get("full_decode", best.get("decode", {})).get("peak_matmul_fraction")
             rows.append(target_row("decode FLOP/s / peak matmul", TARGETS["decode_peak_fraction_b32"], frac, where))
     if not any(m["batch_size"] == 32 for m in metrics):
-        rows.append(target_row("decode FLOP/s / peak matmul", TARGETS["decode_peak_fraction_b32"], None, "B=32 not run"))
+        target = TARGETS["decode_peak_fraction_b32"]
+        rows.append(target_row("decode FLOP/s / peak matmul", target, None, "B=32 not run"))
     return rows
 
 

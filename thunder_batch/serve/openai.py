@@ -204,4 +204,5 @@ def sse(obj: dict) -> str:
 
 
 def models_list(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "thunder_batch"}]}
+    entry = {"id": model, "object": "model", "created": created, "owned_by": "thunder_batch"}
+    return {"object": "list", "data": [entry]}

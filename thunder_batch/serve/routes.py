@@ -20,8 +20,18 @@ from litserve.specs.base import LitSpec
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 from starlette.exceptions import HTTPException
 
-from thunder_batch.serve.openai import (CHAT, COMPLETION, SSE_DONE, APIError, Job, Shaper, models_list, parse_request,
-                                       sse, usage)
+from thunder_batch.serve.openai import (
+    CHAT,
+    COMPLETION,
+    SSE_DONE,
+    APIError,
+    Job,
+    Shaper,
+    models_list,
+    parse_request,
+    sse,
+    usage,
+)
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
 
