@@ -142,7 +142,7 @@ def run_parity(report: Report, gpt, modes: list[str]) -> None:
 
 
 def text_check(report: Report, gpt, tokenizer) -> None:
-    """With the real weights: the answer litgpt gives on this model (THUNDER_NOTES: ' Paris.')."""
+    """With the real weights: the answer litgpt gives on this model (' Paris.', as tests/test_real_model.py checks)."""
     if tokenizer is None:
         return
     with report.stage("text: greedy answer of the real model"):

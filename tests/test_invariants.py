@@ -1,4 +1,4 @@
-"""DESIGN.md invariants 1-5, 7, 8 and batch-size independence of the traced step, each tested directly."""
+"""docs/DESIGN.md invariants 1-5, 7, 8 and batch-size independence of the traced step, each tested directly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Invariant 6: greedy output is token-identical to litgpt's generate_fn run one prompt at a time."""
+"""Invariant 6 (docs/DESIGN.md): greedy output is token-identical to litgpt's generate_fn run one prompt at a time."""
 
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ def target_row(name: str, target: float, measured: float | None, where: str) -> 
 
 
 def targets(metrics: list[dict]) -> list[dict]:
-    """The issue's targets, for the best Thunder system at each batch size."""
+    """The performance targets (docs/DESIGN.md), for the best Thunder system at each batch size."""
     rows = []
     for B in sorted({m["batch_size"] for m in metrics if m["batch_size"] is not None}):
         thunder = [m for m in metrics if m["batch_size"] == B and is_thunder(m["system"])]
