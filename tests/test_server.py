@@ -433,6 +433,18 @@ def test_16_clients_100_requests(server, offline):
 
 
 @real_model
+def test_deeply_nested_body_is_a_400_on_a_connection_that_stays_usable(server):
+    deep = b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}"  # past Python's recursion limit in json.loads
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=120) as client:  # one kept-alive connection
+        r = client.post("/v1/completions", content=deep)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert r.headers.get("connection") != "close"
+        again = client.post("/v1/completions", json=dict(prompt="hi", max_tokens=1, temperature=0))
+        assert again.status_code == 200 and again.json()["object"] == "text_completion", again.text
+
+
+@real_model
 def test_idle_does_not_spin_and_sigterm_stops_every_process(server):
     """Runs last: it stops the shared server."""
     main = psutil.Process(server.proc.pid)
