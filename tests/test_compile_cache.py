@@ -83,6 +83,7 @@ def test_fresh_process_loads_bit_identical_outputs(traced):
     script = textwrap.dedent(f"""
         import json, sys, warnings
         sys.path.insert(0, {str(TESTS_DIR)!r})
+        from thunder_batch.compile.cache import CompileCacheWarning
         warnings.simplefilter("error", CompileCacheWarning)
         from test_compile_cache import make_engine, outputs, PROMPTS, PARAMS
         engine = make_engine({str(traced['root'])!r})
@@ -336,6 +337,7 @@ def test_two_engines_compiling_the_same_key_at_once(tmp_path):
     script = textwrap.dedent(f"""
         import sys, warnings
         sys.path.insert(0, {str(TESTS_DIR)!r})
+        from thunder_batch.compile.cache import CompileCacheWarning
         warnings.simplefilter("error", CompileCacheWarning)
         from test_compile_cache import make_engine, PROMPTS, PARAMS
         engine = make_engine({str(tmp_path)!r})
