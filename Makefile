@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-nightly demo clean
+.PHONY: install lint test test-fast test-nightly demo clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,12 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# ruff comes with the test extra; its settings are in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

@@ -27,7 +27,8 @@ if model == "tiny":
     torch.manual_seed(0)
     cfg = litgpt.Config.from_name("SmolLM2-135M", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
                                   intermediate_size=128, block_size=128, vocab_size=256, padded_vocab_size=256)
-    engine = Engine(litgpt.GPT(cfg).eval(), EngineConfig(batch_size=4, max_seq_length=64, prefill_chunk=8, cache_dir=root))
+    config = EngineConfig(batch_size=4, max_seq_length=64, prefill_chunk=8, cache_dir=root)
+    engine = Engine(litgpt.GPT(cfg).eval(), config)
     prompt = [1, 2, 3, 4, 5]
 else:
     engine = Engine.from_checkpoint(None, EngineConfig(cache_dir=root))
@@ -38,7 +39,8 @@ warm = time.perf_counter() - START
 first = next(iter(engine.stream([prompt], SamplingParams(max_new_tokens=2))))
 ttft = time.perf_counter() - START
 stats = engine.stats()
-print(json.dumps(dict(per_width_s=per_width, import_s=imported, model_s=loaded - imported, compile_s=warm - loaded, ttft_s=ttft,
+print(json.dumps(dict(per_width_s=per_width, import_s=imported, model_s=loaded - imported, compile_s=warm - loaded,
+                      ttft_s=ttft,
                       traced=stats["traced"], disk_cache_hits=stats["disk_cache_hits"],
                       compile_seconds=stats["compile_seconds"], first_token=first.token_ids)))
 """

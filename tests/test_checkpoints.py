@@ -19,11 +19,11 @@ from litgpt.generate.base import generate
 from thunder_batch import checkpoints, gguf_convert
 from thunder_batch.checkpoints import (
     DEFAULT_MODEL_NAME,
-    convert_gguf_to_litgpt,
     default_checkpoint_dir,
     load_checkpoint,
     validate_checkpoint_dir,
 )
+from thunder_batch.gguf_convert import convert_gguf_to_litgpt
 
 PROMPT = "The capital of France is"
 PROMPT_IDS = [1, 504, 3575, 282, 4649, 314]  # <|im_start|> (litgpt's BOS for SmolLM2-*-Instruct dirs) + prompt
@@ -127,7 +127,7 @@ def test_default_dir_converts_once(tmp_path, monkeypatch):
         calls.append(out_dir)
         return _write_fake_checkpoint(Path(out_dir))
 
-    monkeypatch.setattr(checkpoints, "convert_gguf_to_litgpt", fake_convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_litgpt", fake_convert)
     first = default_checkpoint_dir(tmp_path)
     second = default_checkpoint_dir(tmp_path)
     assert first == second == tmp_path / DEFAULT_MODEL_NAME
@@ -135,7 +135,7 @@ def test_default_dir_converts_once(tmp_path, monkeypatch):
 
 
 def test_default_dir_reports_broken_dir_instead_of_overwriting(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoints, "convert_gguf_to_litgpt", _never_convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_litgpt", _never_convert)
     _write_fake_checkpoint(tmp_path / DEFAULT_MODEL_NAME, skip="lit_model.pth")
     with pytest.raises(FileNotFoundError, match="lit_model.pth"):
         default_checkpoint_dir(tmp_path)
@@ -187,9 +187,11 @@ def test_converted_dir_matches_gguf(converted_dir, gguf_reader):
     assert validate_checkpoint_dir(converted_dir) == converted_dir
     assert converted_dir.name == DEFAULT_MODEL_NAME
     config = litgpt.Config.from_file(converted_dir / "model_config.yaml")
-    expect = {"n_layer": "llama.block_count", "n_embd": "llama.embedding_length", "n_head": "llama.attention.head_count",
+    expect = {"n_layer": "llama.block_count", "n_embd": "llama.embedding_length",
+              "n_head": "llama.attention.head_count",
               "n_query_groups": "llama.attention.head_count_kv", "intermediate_size": "llama.feed_forward_length",
-              "rope_base": "llama.rope.freq_base", "vocab_size": "llama.vocab_size", "head_size": "llama.rope.dimension_count"}
+              "rope_base": "llama.rope.freq_base", "vocab_size": "llama.vocab_size",
+              "head_size": "llama.rope.dimension_count"}
     for field, key in expect.items():
         assert getattr(config, field) == pytest.approx(_meta(gguf_reader, key)), field
     assert config.norm_eps == pytest.approx(_meta(gguf_reader, "llama.attention.layer_norm_rms_epsilon"), rel=1e-6)
@@ -320,7 +322,7 @@ def test_tokenizer_matches_naive_bpe(loaded, gguf_reader):
 @pytest.mark.slow
 def test_default_dir_reuses_conversion(converted_dir, monkeypatch):
     mtime = os.stat(converted_dir / "lit_model.pth").st_mtime_ns
-    monkeypatch.setattr(checkpoints, "convert_gguf_to_litgpt", _never_convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf_to_litgpt", _never_convert)
     assert default_checkpoint_dir(converted_dir.parent) == converted_dir
     assert os.stat(converted_dir / "lit_model.pth").st_mtime_ns == mtime
     assert not [p for p in converted_dir.parent.iterdir() if p.name.startswith(".")]  # no temp dir left

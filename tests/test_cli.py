@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
@@ -20,9 +22,35 @@ def test_bare_switches_mean_true():
     assert normalize_flags(["compile", "--clear", "false"]) == ["compile", "--clear", "false"]
 
 
-def test_every_subcommand_has_help():
-    for command in ("generate", "serve", "compile", "bench"):
+# The options the commands share, with their defaults: declared once (thunder_batch.cli), listed by every command.
+MODEL_FLAGS = {"checkpoint_dir": "null", "precision": "float32"}
+ENGINE_FLAGS = {**MODEL_FLAGS, "batch_size": "8", "max_seq_length": "1024", "prefill_chunk": "64", "cache_dir": "null"}
+EXPECTED_FLAGS = {
+    "generate": {**ENGINE_FLAGS, "compile": "thunder", "prompt": "null", "max_new_tokens": "64"},
+    "serve": {**ENGINE_FLAGS, "compile": "thunder", "host": "127.0.0.1", "port": "8000"},
+    "compile": {**ENGINE_FLAGS, "list": "False", "clear": "False"},
+    "bench": {**MODEL_FLAGS, "batch_size": "8", "max_seq_length": "null", "prefill_chunk": "64", "cache_dir": "null",
+              "systems": "litgpt-sequential,litgpt-batched,eager,thunder-torch,thunder-torchcompile,thunder-nvfuser"},
+}
+
+
+def help_defaults(text: str) -> dict[str, str]:
+    """--flag -> its default, from jsonargparse's help (entries may wrap over several lines)."""
+    entries = re.split(r"\n  (?=--)", text.split("options:", 1)[1])
+    found = {}
+    for entry in entries:
+        flat = re.sub(r"\s+", "", entry)  # wrapping may split a default anywhere
+        name, default = re.match(r"--(\w+)", entry), re.search(r"default:(.*)\)$", flat)
+        if name and default:
+            found[name.group(1)] = default.group(1)
+    return found
+
+
+def test_every_subcommand_lists_its_flags_and_defaults():
+    for command, expected in EXPECTED_FLAGS.items():
         done = subprocess.run([sys.executable, "-m", "thunder_batch.cli", command, "--help"], capture_output=True,
-                              text=True, timeout=300)
+                              text=True, timeout=300, env=dict(os.environ, COLUMNS="100"))
         assert done.returncode == 0, (command, done.stderr[-2000:])
-        assert "--batch_size" in done.stdout, command
+        listed = help_defaults(done.stdout)
+        assert {flag: listed.get(flag) for flag in expected} == expected, command
+        assert ("compile" in listed) == (command in ("generate", "serve")), command

@@ -22,15 +22,23 @@ import pytest
 import torch
 
 import thunder_batch.compile.cache as cc
-from conftest import tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.compile import cli as compile_cli
 from thunder_batch.compile.cache import (
-    FORMAT_VERSION, CacheKey, CompileCacheWarning, EntryStore, canonical_json, read_entry, resolve_root, sha256,
+    FORMAT_VERSION,
+    CacheKey,
+    CompileCacheWarning,
+    EntryStore,
+    canonical_json,
+    read_entry,
+    resolve_root,
+    sha256,
 )
 from thunder_batch.compile.pieces import piece_from_record
 from thunder_batch.compile.trace_export import NotExportable, ctx_recipe
 from thunder_batch.scheduler import StepPlan
+
+from helpers import tiny_gpt
 
 CONFIG = dict(batch_size=2, max_seq_length=16, prefill_chunk=1)  # one step width
 PROMPTS = [[1, 2, 3], [4, 5]]
@@ -115,7 +123,8 @@ def test_fresh_process_loads_bit_identical_outputs(traced):
     script = textwrap.dedent(f"""
         import json, sys, warnings
         sys.path.insert(0, {str(TESTS_DIR)!r})
-        warnings.simplefilter("error", __import__("thunder_batch.compile.cache", fromlist=["cache"]).CompileCacheWarning)
+        from thunder_batch.compile.cache import CompileCacheWarning
+        warnings.simplefilter("error", CompileCacheWarning)
         from test_compile_cache import make_engine, outputs, PROMPTS, PARAMS
         engine = make_engine({str(traced['root'])!r})
         results = engine.generate(PROMPTS, PARAMS)
@@ -154,7 +163,10 @@ def test_every_key_field_changes_the_digest(traced):
     key = traced["key"]
     for field in dataclasses.fields(CacheKey):
         value = getattr(key, field.name)
-        other = value + 1 if isinstance(value, int) else (*value, ("x", "y")) if isinstance(value, tuple) else value + "x"
+        if isinstance(value, int):
+            other = value + 1
+        else:
+            other = (*value, ("x", "y")) if isinstance(value, tuple) else value + "x"
         assert dataclasses.replace(key, **{field.name: other}).digest() != key.digest(), field.name
 
 
@@ -179,7 +191,8 @@ def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monke
     elif change == "model":
         engine = make_engine(tmp_path, n_layer=2)
     elif change == "dtype":
-        engine = Engine(tiny_gpt("llama", n_layer=1).to(torch.bfloat16), EngineConfig(**CONFIG, cache_dir=str(tmp_path)))
+        gpt = tiny_gpt("llama", n_layer=1).to(torch.bfloat16)
+        engine = Engine(gpt, EngineConfig(**CONFIG, cache_dir=str(tmp_path)))
     elif change == "versions":
         engine = make_engine(tmp_path)
         monkeypatch.setattr(cc, "versions", lambda: (("torch", "0.0.0"),))
@@ -364,7 +377,8 @@ def test_two_engines_compiling_the_same_key_at_once(tmp_path):
     script = textwrap.dedent(f"""
         import sys, warnings
         sys.path.insert(0, {str(TESTS_DIR)!r})
-        warnings.simplefilter("error", __import__("thunder_batch.compile.cache", fromlist=["cache"]).CompileCacheWarning)
+        from thunder_batch.compile.cache import CompileCacheWarning
+        warnings.simplefilter("error", CompileCacheWarning)
         from test_compile_cache import make_engine, PROMPTS, PARAMS
         engine = make_engine({str(tmp_path)!r})
         engine.generate(PROMPTS, PARAMS)

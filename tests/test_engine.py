@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch.config import ContextLengthError, ParamError
+
+from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 
 
 def engine_for(gpt=None, **overrides) -> Engine:
@@ -150,8 +152,22 @@ def test_bad_prompts_are_rejected_at_the_door(prompt, params, message):
     (dict(seed=-5), "seed must be"),
 ])
 def test_bad_sampling_params_name_the_limit(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ParamError, match=message) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == next(iter(kwargs))  # the field, as data: the server reports it as `param`
+
+
+def test_submit_returns_the_request_and_none_fills_the_cache():
+    engine = engine_for()
+    request = engine.submit([1, 2, 3], SamplingParams(max_new_tokens=None))
+    assert request.prompt_ids == [1, 2, 3] and request.params.max_new_tokens == 64 - 3
+    assert engine.add_request([4, 5], SamplingParams(max_new_tokens=2)) != request.request_id
+    with pytest.raises(ContextLengthError, match=r"\(at least 1\) exceeds max_seq_length \(64\)") as info:
+        engine.submit([1] * 64, SamplingParams(max_new_tokens=None))
+    assert (info.value.prompt_tokens, info.value.max_new_tokens, info.value.max_seq_length) == (64, None, 64)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(request.output_ids) == 61 and request.finish_reason == "length"
 
 
 def test_generate_validates_every_prompt_before_queueing_any():

@@ -11,12 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import mixed_prompts, tiny_gpt
-from thunder_batch._compat import import_thunder
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch import compile as tb_compile
-from thunder_batch.compile import (KNOWN_EXECUTORS, cache_misses, compile_options, executor_availability,
-                                   executor_claims, execution_traces, fusion_regions)
+from thunder_batch._compat import import_thunder
+from thunder_batch.compile import (
+    KNOWN_EXECUTORS,
+    cache_misses,
+    compile_options,
+    execution_traces,
+    executor_availability,
+    executor_claims,
+    fusion_regions,
+)
+
+from helpers import mixed_prompts, tiny_gpt
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs an NVIDIA GPU: torch.cuda.is_available() is False here")

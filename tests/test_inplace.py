@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ENGINE_CONFIG, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import compile_options, execution_traces
 from thunder_batch.compile.inplace import INDEX_COPY_OPERATOR, OPERATOR
+
+from helpers import ENGINE_CONFIG, mixed_prompts, tiny_gpt
 
 
 def ops(trace) -> list[tuple[str, str | None]]:

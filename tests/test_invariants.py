@@ -1,17 +1,18 @@
-"""DESIGN.md invariants 1-5, 7, 8 and batch-size independence of the traced step, each tested directly."""
+"""docs/DESIGN.md invariants 1-5, 7, 8 and batch-size independence of the traced step, each tested directly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import execution_traces
 from thunder_batch.kv_cache import attach_slot_caches
 from thunder_batch.model import forward_hidden, visibility_masks
 from thunder_batch.program import StepProgram
+
+from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 
 S, C = ENGINE_CONFIG["max_seq_length"], ENGINE_CONFIG["prefill_chunk"]
 

@@ -8,9 +8,10 @@ import warnings
 
 import pytest
 
-from conftest import mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.compile.cache import CompileCacheWarning
+
+from helpers import mixed_prompts, tiny_gpt
 
 CONFIG = dict(batch_size=3, max_seq_length=48, prefill_chunk=4)
 BLOCK_IDX = (("submodule", "block.attn"), ("attr", "block_idx"))

@@ -1,4 +1,4 @@
-"""Invariant 6: greedy output is token-identical to litgpt's generate_fn run one prompt at a time."""
+"""Invariant 6 (docs/DESIGN.md): greedy output is token-identical to litgpt's generate_fn run one prompt at a time."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 
-from conftest import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 from thunder_batch import Engine, EngineConfig, SamplingParams
+
+from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
 
 # 1 token up to more than 3 chunks; 12 prompts through 4 slots, so slots are reused.
 LENGTHS = [1, 2, 5, 8, 9, 13, 16, 17, 25, 30, 3, 11]

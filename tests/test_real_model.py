@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-from conftest import litgpt_greedy
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
+
+from helpers import litgpt_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,11 @@ import httpx
 import openai
 import psutil
 import pytest
-from live_server import KEY, ROOT, Server
 
-from thunder_batch.openai_api import CHAT, COMPLETION, APIError, parse_request
+from thunder_batch.config import SamplingParams
+from thunder_batch.serve.openai import CHAT, COMPLETION, APIError, parse_request
+
+from live_server import KEY, ROOT, Server
 
 ENGINE = dict(batch_size=8, max_seq_length=128, prefill_chunk=8)  # the server's and the offline oracle's
 MODEL = "SmolLM2-135M-Instruct"
@@ -33,21 +35,22 @@ def test_parse_chat_defaults_and_text_parts():
     job = parse_request(body(model="anything", messages=[{"role": "user", "content": parts}]), CHAT)
     assert job.prompt == [{"role": "user", "content": "Hi there"}]
     # OpenAI's defaults: temperature 1, and a chat reply may fill the rest of the context (None)
-    assert job.sampling == dict(max_new_tokens=None, temperature=1.0, top_p=1.0, top_k=None, stop=None, seed=None)
+    defaults = SamplingParams(max_new_tokens=None, temperature=1.0, top_p=1.0, top_k=None, stop=None, seed=None)
+    assert job.params == defaults
     assert (job.stream, job.include_usage) == (False, False)
 
 
 @pytest.mark.parametrize("prompt, expected", [("abc", "abc"), (["abc"], "abc"), ([1, 2], [1, 2]), ([[4, 5]], [4, 5])])
 def test_parse_completion_prompt_forms(prompt, expected):
     job = parse_request(body(prompt=prompt), COMPLETION)
-    assert job.prompt == expected and job.sampling["max_new_tokens"] == 16  # OpenAI's completions default
+    assert job.prompt == expected and job.params.max_new_tokens == 16  # OpenAI's completions default
 
 
 def test_parse_completion_sampling_and_stream_options():
     raw = body(prompt="x", max_tokens=5, temperature=0, top_p=0.5, top_k=-1, stop=".", seed=3, n=1,
                stream=True, stream_options={"include_usage": True}, presence_penalty=0, user="u")
     job = parse_request(raw, COMPLETION)
-    assert job.sampling == dict(max_new_tokens=5, temperature=0, top_p=0.5, top_k=None, stop=".", seed=3)
+    assert job.params == SamplingParams(max_new_tokens=5, temperature=0, top_p=0.5, top_k=None, stop=".", seed=3)
     assert job.stream and job.include_usage
 
 
@@ -75,6 +78,7 @@ BAD = [  # (kind, raw body, code, param)
     (COMPLETION, body(prompt="x", max_tokens=0), "invalid_value", "max_tokens"),
     (COMPLETION, body(prompt="x", seed=-1), "invalid_value", "seed"),
     (COMPLETION, body(prompt="x", n=2), "unsupported", "n"),
+    (COMPLETION, b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}", "invalid_json", None),  # past the recursion limit
 ]
 
 
@@ -96,7 +100,7 @@ def request_with(path: str, **headers: str):
 
 
 def test_check_api_key():
-    from thunder_batch.openai_routes import check_api_key
+    from thunder_batch.serve.routes import check_api_key
 
     check_api_key(request_with("/v1/models"), None)  # no key configured: open
     check_api_key(request_with("/health"), KEY)  # probes need no key
@@ -110,29 +114,31 @@ def test_check_api_key():
 
 # -- the worker side on a tiny model (token ids, no tokenizer) ---------------------------------
 def tiny_api(board: dict):
-    from conftest import tiny_gpt
-    from thunder_batch import Engine, EngineConfig
-    from thunder_batch.openai_routes import OpenAIRoutes
-    from thunder_batch.server import EngineAPI
+    from thunder_batch import Engine
+    from thunder_batch.cli import EngineOptions
+    from thunder_batch.serve.routes import OpenAIRoutes
+    from thunder_batch.serve.worker import EngineAPI
 
-    config = EngineConfig(batch_size=2, max_seq_length=32, prefill_chunk=4, compile="eager")
-    api = EngineAPI("unused", config, OpenAIRoutes("tiny", board, 1000))
-    api.attach(Engine(tiny_gpt("llama"), config))
+    from helpers import tiny_gpt
+
+    options = EngineOptions(batch_size=2, max_seq_length=32, prefill_chunk=4, compile="eager")
+    api = EngineAPI(options, OpenAIRoutes("tiny", board, 1000))
+    api.attach(Engine(tiny_gpt("llama"), options.engine_config()))
     return api
 
 
-def greedy(max_tokens: int | None) -> dict:
-    return dict(max_new_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=None, stop=None, seed=None)
+def greedy(max_tokens: int | None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=None, stop=None, seed=None)
 
 
 def test_engine_api_admits_rejects_and_reports_usage():
     api = tiny_api({})
     admitted = api.add_requests([
-        ("a", {"prompt": [1, 2, 3, 4, 5], "sampling": greedy(6)}),
-        ("b", {"prompt": [7] * 30, "sampling": greedy(6)}),  # 30 + 6 > 32
-        ("c", {"prompt": [7] * 40, "sampling": greedy(None)}),  # the prompt alone does not fit
-        ("d", {"prompt": [3, 10**6], "sampling": greedy(2)}),  # the engine's own check
-        ("e", {"prompt": [9, 8], "sampling": greedy(None)}),  # None: the rest of the cache, 30 tokens
+        ("a", {"prompt": [1, 2, 3, 4, 5], "params": greedy(6)}),
+        ("b", {"prompt": [7] * 30, "params": greedy(6)}),  # 30 + 6 > 32
+        ("c", {"prompt": [7] * 40, "params": greedy(None)}),  # the prompt alone does not fit
+        ("d", {"prompt": [3, 10**6], "params": greedy(2)}),  # the engine's own check
+        ("e", {"prompt": [9, 8], "params": greedy(None)}),  # None: the rest of the cache, 30 tokens
     ])
     assert [(uid, m["event"], done) for uid, m, done in admitted] == [
         ("a", "accepted", False), ("b", "error", True), ("c", "error", True), ("d", "error", True),
@@ -155,7 +161,7 @@ def test_engine_api_admits_rejects_and_reports_usage():
 def test_engine_api_cancel_board_and_failed_step():
     board = {}
     api = tiny_api(board)
-    api.add_requests([(uid, {"prompt": [1, 2, 3], "sampling": greedy(20)}) for uid in "ab"])
+    api.add_requests([(uid, {"prompt": [1, 2, 3], "params": greedy(20)}) for uid in "ab"])
     api.step()
     board.update(a=time.time(), gone=time.time() - 3600)  # a: its client left; gone: finished long ago
     assert ("a", {"event": "aborted"}, True) in api.step()
@@ -171,7 +177,7 @@ def test_engine_loop_idles_on_an_event_and_routes_events():
 
     from litserve.utils import LitAPIStatus
 
-    from thunder_batch.server import IDLE_WAIT_S, EngineLoop
+    from thunder_batch.serve.worker import IDLE_WAIT_S, EngineLoop
 
     api, loop, steps = tiny_api({}), EngineLoop(), []
     api.step = lambda: steps.append(1) or []
@@ -424,6 +430,18 @@ def test_16_clients_100_requests(server, offline):
         assert (text, finish_reason, completion_tokens) == (want.text, want.finish_reason, len(want.token_ids)), k
     stats = server.wait_all_free(timeout=10)
     assert stats["free_slots"] == ENGINE["batch_size"] and stats["finished_requests"] >= 100
+
+
+@real_model
+def test_deeply_nested_body_is_a_400_on_a_connection_that_stays_usable(server):
+    deep = b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}"  # past Python's recursion limit in json.loads
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=120) as client:  # one kept-alive connection
+        r = client.post("/v1/completions", content=deep)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        assert r.headers.get("connection") != "close"
+        again = client.post("/v1/completions", json=dict(prompt="hi", max_tokens=1, temperature=0))
+        assert again.status_code == 200 and again.json()["object"] == "text_completion", again.text
 
 
 @real_model

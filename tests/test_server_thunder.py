@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from live_server import ROOT, Server
 
 ENGINE = dict(batch_size=4, max_seq_length=64, prefill_chunk=8)
@@ -37,7 +38,8 @@ def two_layer_checkpoint(tmp_path_factory) -> Path:
         shutil.copy(source / name, out / name)
     save_config(Config.from_file(source / "model_config.yaml", n_layer=2), out)
     state = torch.load(source / "lit_model.pth", mmap=True, weights_only=True)
-    keep = {k: v.clone() for k, v in state.items() if not k.startswith("transformer.h.") or k.split(".")[2] in ("0", "1")}
+    keep = {k: v.clone() for k, v in state.items()
+            if not k.startswith("transformer.h.") or k.split(".")[2] in ("0", "1")}
     torch.save(keep, out / "lit_model.pth")
     return out
 

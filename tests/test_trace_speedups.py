@@ -7,12 +7,13 @@ import copy
 import pytest
 import torch
 
-from conftest import tiny_gpt
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import compile_options, compile_program, trace_speedups
 from thunder_batch.config import EngineConfig
 from thunder_batch.runner import Runner
 from thunder_batch.scheduler import StepPlan
+
+from helpers import tiny_gpt
 
 CONFIG = EngineConfig(batch_size=2, max_seq_length=16, prefill_chunk=1)
 
@@ -25,7 +26,10 @@ def trace_step(gpt, fast: bool):
     args[0][:, 0], args[1][:, 0] = torch.tensor([7, 9]), torch.tensor([0, 2])
     trace_speedups.uninstall()
     try:
-        jitted = compile_program(runner.program, CONFIG) if fast else thunder.jit(runner.program, **compile_options(CONFIG))
+        if fast:
+            jitted = compile_program(runner.program, CONFIG)
+        else:
+            jitted = thunder.jit(runner.program, **compile_options(CONFIG))
         assert trace_speedups._installed if fast else not trace_speedups._installed
         with torch.no_grad():
             out = jitted(*args)

@@ -1,14 +1,34 @@
-"""thunder_batch: batched LLM inference for litgpt models, compiled by Lightning Thunder."""
+"""thunder_batch: batched LLM inference for litgpt models, compiled by Lightning Thunder.
 
-from thunder_batch.config import EngineConfig, SamplingParams
-from thunder_batch.engine import Engine
-from thunder_batch.index_ops import index_copy_2d, index_select_2d
-from thunder_batch.program import batched_next_token
-from thunder_batch.request import GenerationResult, StepOutput
-from thunder_batch.sampler import batched_sample
+The public names below load on first use, so `import thunder_batch.<module>` of a pure-Python
+module (config, versions, the CLI's option parsing) does not import torch or Thunder.
+"""
 
-__all__ = [
-    "Engine", "EngineConfig", "SamplingParams", "GenerationResult", "StepOutput",
-    "batched_next_token", "batched_sample", "index_copy_2d", "index_select_2d",
-]
+import importlib
+
+_PUBLIC = {
+    "Engine": "thunder_batch.engine",
+    "EngineConfig": "thunder_batch.config",
+    "SamplingParams": "thunder_batch.config",
+    "GenerationResult": "thunder_batch.request",
+    "StepOutput": "thunder_batch.request",
+    "batched_next_token": "thunder_batch.program",
+    "batched_sample": "thunder_batch.sampler",
+    "index_copy_2d": "thunder_batch.index_ops",
+    "index_select_2d": "thunder_batch.index_ops",
+}
+
+__all__ = list(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'thunder_batch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

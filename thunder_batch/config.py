@@ -12,13 +12,33 @@ TRACE_MODES = ("layers", "step")
 MAX_SEED = 2**63 - 1
 
 
-def _is_int(value) -> bool:
+class ParamError(ValueError):
+    """A setting out of range; `param` names the field, so callers (the server) need not parse the message."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(ValueError):
+    """A prompt and its max_new_tokens do not fit in a slot's cache of max_seq_length tokens.
+    max_new_tokens is None when the request asked for the rest of the cache (at least 1 token)."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int | None, max_seq_length: int) -> None:
+        wanted = "at least 1" if max_new_tokens is None else max_new_tokens
+        super().__init__(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({wanted}) "
+                         f"exceeds max_seq_length ({max_seq_length})")
+        self.prompt_tokens, self.max_new_tokens, self.max_seq_length = prompt_tokens, max_new_tokens, max_seq_length
+
+
+def is_int(value) -> bool:
+    """An int that is not a bool (JSON and Python both let True pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _require_int(name: str, value, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if not is_int(value) or value < minimum:
+        raise ParamError(name, f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -62,9 +82,10 @@ class EngineConfig:
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings. temperature 0 is greedy; top_k None/0 and top_p 1 are off.
-    `stop` takes a string, a list of strings, a token-id list, or a list of token-id lists."""
+    `stop` takes a string, a list of strings, a token-id list, or a list of token-id lists.
+    max_new_tokens None: as many as the slot's cache holds after the prompt (OpenAI's max_tokens left out)."""
 
-    max_new_tokens: int = 32
+    max_new_tokens: int | None = 32
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float = 1.0
@@ -76,19 +97,24 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _require_int("max_new_tokens", self.max_new_tokens, 1)
+        if self.max_new_tokens is not None:
+            _require_int("max_new_tokens", self.max_new_tokens, 1)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None:
             _require_int("top_k", self.top_k, 0)
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be None or an int in [0, {MAX_SEED}], got {self.seed!r}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
-        strings, sequences = normalize_stop(self.stop)
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ParamError("seed", f"seed must be None or an int in [0, {MAX_SEED}], got {self.seed!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ParamError("stop_token_ids",
+                             f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
+        try:
+            strings, sequences = normalize_stop(self.stop)
+        except ValueError as e:
+            raise ParamError("stop", str(e)) from None
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop_strings", strings)
         object.__setattr__(self, "stop_sequences", sequences)

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
 from thunder_batch.compile import program_stats
-from thunder_batch.config import EngineConfig, SamplingParams
+from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, is_int
 from thunder_batch.request import GenerationResult, Request, StepOutput
 from thunder_batch.runner import Runner
 from thunder_batch.scheduler import Scheduler
@@ -51,9 +51,14 @@ class Engine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id=None):
         """Queue a prompt (str, list of token ids, or chat messages); returns its id. Bad input raises
         ValueError here, before any step, and leaves every other request untouched."""
+        return self.submit(prompt, params, request_id).request_id
+
+    def submit(self, prompt, params: SamplingParams | None = None, request_id=None) -> Request:
+        """add_request, returning the queued Request itself: its prompt_ids (after the chat template),
+        params (max_new_tokens resolved) and output_ids. The server counts usage from it."""
         request = self._make_request(prompt, params, request_id)
         self.scheduler.add(request)
-        return request.request_id
+        return request
 
     def _make_request(self, prompt, params: SamplingParams | None, request_id=None) -> Request:
         """Validate and encode a prompt into a Request, without queueing it."""
@@ -63,7 +68,7 @@ class Engine:
         if is_chat(prompt):
             params = self._with_chat_stops(params)
         prompt_ids = self.encode(prompt)
-        self._check_fits(len(prompt_ids), params)
+        params = self._fitted(len(prompt_ids), params)
         if request_id is None:
             request_id = next(self._next_id)
         elif self.scheduler.find(request_id) is not None:
@@ -88,7 +93,7 @@ class Engine:
                 return [int(t) for t in self.tokenizer.encode(prompt).tolist()]
             except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
                 raise ValueError(f"the tokenizer cannot encode this prompt: {e}") from e
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not all(is_int(t) for t in prompt):
             raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt is empty: at least one token is needed")
@@ -103,11 +108,12 @@ class Engine:
         chat = tuple(s for s in chat_stop_sequences(self.prompt_style, self.tokenizer) if s not in sequences)
         return dataclasses.replace(params, stop=[*strings, *(list(s) for s in sequences + chat)])
 
-    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        limit = self.config.max_seq_length
-        if prompt_len + params.max_new_tokens > limit:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                             f"exceeds max_seq_length ({limit})")
+    def _fitted(self, prompt_len: int, params: SamplingParams) -> SamplingParams:
+        """params with max_new_tokens None resolved to the rest of the cache; ContextLengthError if it cannot fit."""
+        limit, wanted = self.config.max_seq_length, params.max_new_tokens
+        if prompt_len + (wanted or 1) > limit:
+            raise ContextLengthError(prompt_len, wanted, limit)
+        return params if wanted is not None else dataclasses.replace(params, max_new_tokens=limit - prompt_len)
 
     def _detokenizer(self, prompt_ids: list[int]):
         from thunder_batch.detokenize import IncrementalDetokenizer

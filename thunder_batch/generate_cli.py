@@ -11,21 +11,40 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
+from thunder_batch.cli import EngineOptions
 
-def run_generate(prompt, chat, checkpoint_dir, batch_size, max_seq_length, prefill_chunk, max_new_tokens,
-                 temperature, top_k, top_p, seed, stop, compile, precision, cache_dir=None) -> None:
-    import torch
 
-    from thunder_batch import Engine, EngineConfig, SamplingParams
+def generate(
+    prompt: list[str] | None = None,
+    chat: list[str] | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    **options,
+) -> None:
+    """Generate text for several prompts at once, streaming each as it is produced.
+
+    Args:
+        prompt: Raw text prompts (repeat the flag for several).
+        chat: User messages, each sent as a one-turn chat through the model's prompt style.
+        max_new_tokens: Most tokens generated per prompt.
+        temperature: 0 is greedy decoding.
+        top_k: Keep only the k most likely tokens (None: off).
+        top_p: Nucleus sampling mass in (0, 1] (1: off).
+        seed: Seed for sampling; the same seed gives the same text whatever the batch.
+        stop: Stop strings (repeat the flag for several); the stop text is not printed.
+    """
+    from thunder_batch import SamplingParams
 
     prompts = list(prompt or []) + [[{"role": "user", "content": c}] for c in chat or []]
     if not prompts:
         raise SystemExit("thunder-batch generate: give at least one --prompt or --chat")
     err = Console(stderr=True)
-    config = EngineConfig(batch_size=batch_size, max_seq_length=max_seq_length, prefill_chunk=prefill_chunk,
-                          compile=compile, cache_dir=cache_dir)
     start = time.perf_counter()
-    engine = Engine.from_checkpoint(checkpoint_dir, config, dtype=getattr(torch, precision))
+    engine = EngineOptions(**options).load_engine()
     err.print(f"loaded model in {time.perf_counter() - start:.1f}s")
     compile_s = sum(engine.warmup(progress=True).values())
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -80,7 +99,8 @@ def _report(err: Console, engine, texts: dict, compile_s: float, elapsed: float)
     stats = engine.stats()
     tokens = stats["generated_tokens"]
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    err.print(f"{len(texts)} prompts, {tokens} tokens in {elapsed:.2f}s ({tokens / max(elapsed, 1e-9):.1f} tokens/s), "
-              f"{stats['steps']} steps; compile {compile_s:.1f}s ({stats['traced']} programs traced, {stats['disk_cache_hits']} from disk); "
+    rate = tokens / max(elapsed, 1e-9)
+    err.print(f"{len(texts)} prompts, {tokens} tokens in {elapsed:.2f}s ({rate:.1f} tokens/s), {stats['steps']} steps; "
+              f"compile {compile_s:.1f}s ({stats['traced']} pieces traced, {stats['disk_cache_hits']} from disk); "
               f"peak RSS {peak_rss_mb:.0f} MiB")
     print(file=sys.stderr, flush=True)

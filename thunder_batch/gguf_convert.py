@@ -27,6 +27,8 @@ from litgpt.utils import save_config
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
+from thunder_batch.checkpoints import DEFAULT_MODEL_NAME
+
 SUPPORTED_ARCH = "llama"
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
 # Global tensors: llama.cpp name -> litgpt state-dict key.
@@ -50,8 +52,13 @@ _PRE_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaon
 _PRE_PLAIN = {"default", "gpt-2", "gpt2"}
 
 
-def convert_gguf_to_litgpt(gguf_path: Path | str, out_dir: Path | str, model_name: str) -> Path:
-    """Convert `gguf_path` into the litgpt checkpoint dir `out_dir`, atomically."""
+def convert_gguf_to_litgpt(gguf_path: Path | str, out_dir: Path | str, model_name: str = DEFAULT_MODEL_NAME) -> Path:
+    """Convert a llama-architecture GGUF into the litgpt checkpoint dir `out_dir` (fp32 weights), atomically.
+
+    `model_name` picks the litgpt config; it must match the GGUF metadata (ValueError otherwise). Name
+    `out_dir` after the model: litgpt keys tokenizer BOS handling on the dir name.
+    Raises FileExistsError if `out_dir` exists and is not empty.
+    """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(errno.EEXIST, "refusing to overwrite an existing checkpoint dir", str(out_dir))

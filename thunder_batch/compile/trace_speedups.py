@@ -134,8 +134,9 @@ def _dict_getitem(wrapped_dict, wrapped_key):
     fast path does not apply (not a plain dict, or items not tracked)."""
     from thunder.core import interpreter
 
+    ctx = interpreter.get_interpretercompilectx()
     if (type(wrapped_dict) is not interpreter.WrappedValue or type(wrapped_dict.value) is not dict
-            or wrapped_dict.item_wrappers is None or not interpreter.get_interpretercompilectx()._with_provenance_tracking):
+            or wrapped_dict.item_wrappers is None or not ctx._with_provenance_tracking):
         return None
     return interpreter.MutMappingWrapperMethods.__getitem__(wrapped_dict, wrapped_key)
 

@@ -1,7 +1,8 @@
 """`thunder-batch bench`: the engine against litgpt's own loops, same prompts, same weights, one run.
 
-Workloads and baselines live in bench_workloads / bench_baselines / bench_engine; numbers, checks and
-targets in bench_report; the table and plot in bench_output. This module parses options and runs it all.
+Workloads live in `workloads`, litgpt's loops in `baselines`, the engine runs in `engine_runs` (all three
+follow `system`); numbers, checks and targets in `report` (over `metrics`); the table and plot in `output`.
+This module parses options and runs it all.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ ALL_SYSTEMS = ("litgpt-sequential", "litgpt-batched", "eager", "thunder-torch", 
 
 
 def bench(
-    checkpoint_dir: Path | None = None,
     dataset: Literal["prompts", "random"] = "prompts",
     num_requests: int = 32,
     max_new_tokens: int = 64,
@@ -30,7 +30,6 @@ def bench(
     seed: int = 0,
     ignore_eos: bool = False,
     systems: str = ",".join(ALL_SYSTEMS),
-    precision: Literal["float32", "bfloat16"] = "float32",
     device: str = "cpu",
     cache_dir: Path | None = None,
     warm_compile: bool = True,
@@ -38,12 +37,12 @@ def bench(
     output_json: Path | None = None,
     plot: Path | None = None,
     progress: bool = True,
+    **model,
 ) -> None:
     """Benchmark the engine (eager and under Thunder per executor) against litgpt's generate_fn and
     batched_generate_fn on the same requests and weights; greedy tokens are checked across systems.
 
     Args:
-        checkpoint_dir: A litgpt checkpoint dir. Default: SmolLM2-135M-Instruct from ./checkpoints.
         dataset: "prompts": the shipped real prompts (chat template applied); "random": random token ids.
         num_requests: Number of requests (N).
         max_new_tokens: Most tokens per request; each request's limit is drawn uniformly from
@@ -58,7 +57,6 @@ def bench(
         ignore_eos: Generate exactly each request's token limit, ignoring the end-of-sequence token.
         systems: Comma-separated systems to run, from litgpt-sequential, litgpt-batched, eager,
             thunder-torch, thunder-torchcompile, thunder-nvfuser.
-        precision: Weights and KV cache dtype.
         device: "cpu" or "cuda".
         cache_dir: Compile cache root; None uses a fresh temporary dir so cold compile is a real trace.
         warm_compile: Also time a second engine loading the compiled programs from the compile cache.
@@ -67,17 +65,16 @@ def bench(
         plot: Write a PNG here: tokens/s vs batch size per system, and the TTFT distribution.
         progress: tqdm progress bars on stderr.
     """
-    import torch
-
-    from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
     from thunder_batch.chat import prompt_style_for
+    from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
+    from thunder_batch.cli import ModelOptions
 
-    checkpoint_dir = default_checkpoint_dir() if checkpoint_dir is None else checkpoint_dir
-    dtype = dict(float32=torch.float32, bfloat16=torch.bfloat16)[precision]
-    gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=dtype, device=device)
     options = {k: v for k, v in locals().items() if k in RUN_OPTIONS}
+    model = ModelOptions(**model)  # the engine's shape options are bench's own: it sweeps batch sizes
+    checkpoint_dir = default_checkpoint_dir() if model.checkpoint_dir is None else model.checkpoint_dir
+    gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=model.dtype, device=device)
     run_benchmark(gpt, tokenizer, prompt_style_for(config, checkpoint_dir),
-                  model_label=f"{Path(checkpoint_dir).name} {precision}", **options)
+                  model_label=f"{Path(checkpoint_dir).name} {model.precision}", **options)
 
 
 RUN_OPTIONS = ("dataset", "num_requests", "max_new_tokens", "input_len", "range_ratio", "batch_size", "prefill_chunk",
@@ -107,7 +104,7 @@ def parse_systems(value) -> list[str]:
 
 def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
     """system -> why it cannot run here (missing executor, or offline-only baseline in an online run)."""
-    from thunder_batch.bench_engine import ENGINE_SYSTEMS
+    from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
 
     skipped = {}
     if online and "litgpt-batched" in systems:
@@ -126,17 +123,17 @@ def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
 
 def run_system(name: str, gpt, workload, batch_size: int | None, ctx):
     """One system on the workload (module-level so tests can wrap it)."""
-    from thunder_batch import bench_baselines, bench_engine
+    from thunder_batch.bench import baselines, engine_runs
 
     if name == "litgpt-sequential":
-        return bench_baselines.run_litgpt_sequential(gpt, workload, ctx)
+        return baselines.run_litgpt_sequential(gpt, workload, ctx)
     if name == "litgpt-batched":
-        return bench_baselines.run_litgpt_batched(gpt, workload, batch_size, ctx)
-    return bench_engine.run_engine(gpt, workload, name, batch_size, ctx)
+        return baselines.run_litgpt_batched(gpt, workload, batch_size, ctx)
+    return engine_runs.run_engine(gpt, workload, name, batch_size, ctx)
 
 
 def make_workload(gpt, tokenizer, prompt_style, opts: dict):
-    from thunder_batch.bench_workloads import build_workload, fitted_max_seq_length
+    from thunder_batch.bench.workloads import build_workload, fitted_max_seq_length
     from thunder_batch.chat import apply_chat
 
     def encode(text: str) -> list[int]:
@@ -172,7 +169,7 @@ def run_benchmark(gpt, tokenizer=None, prompt_style=None, model_label: str = "mo
 
 
 def write_result(runs, gpt, workload, ctx, opts, peaks, skipped, model_label, started) -> dict:
-    from thunder_batch.bench_report import machine_info, write_json
+    from thunder_batch.bench.report import machine_info, write_json
 
     result = assemble(runs, gpt, workload, ctx, opts, peaks, skipped, model_label)
     result["meta"] = dict(machine_info(ctx.device), started_unix=started, duration_s=time.time() - started,
@@ -190,17 +187,18 @@ DEFAULTS = dict(dataset="prompts", num_requests=32, max_new_tokens=64, input_len
 
 
 def make_context(gpt, tokenizer, opts: dict, max_seq_length: int):
-    from thunder_batch.bench_baselines import BenchContext
+    from thunder_batch.bench.system import BenchContext
 
     return BenchContext(device=gpt.lm_head.weight.device, max_seq_length=max_seq_length,
                         prefill_chunk=min(opts["prefill_chunk"], max_seq_length),
                         eos_id=getattr(tokenizer, "eos_id", None), ignore_eos=opts["ignore_eos"], tokenizer=tokenizer,
-                        progress=opts["progress"], cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
+                        progress=opts["progress"],
+                        cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
                         warm_compile=opts["warm_compile"], profile=opts["profile"])
 
 
 def measure_peaks(device, matmul_n: int = 2048, copy_mb: int = 256) -> dict:
-    from thunder_batch.metrics import measure_copy_bandwidth, measure_peak_matmul_flops
+    from thunder_batch.bench.metrics import measure_copy_bandwidth, measure_peak_matmul_flops
 
     return dict(matmul_flops_per_s=measure_peak_matmul_flops(device, n=matmul_n),
                 copy_bytes_per_s=measure_copy_bandwidth(device, nbytes=copy_mb * 2**20),
@@ -208,9 +206,9 @@ def measure_peaks(device, matmul_n: int = 2048, copy_mb: int = 256) -> dict:
 
 
 def assemble(runs, gpt, workload, ctx, opts, peaks, skipped, model_label) -> dict:
-    from thunder_batch import bench_report as report
-    from thunder_batch.bench_workloads import describe
-    from thunder_batch.metrics import ModelCost
+    from thunder_batch.bench import report
+    from thunder_batch.bench.metrics import ModelCost
+    from thunder_batch.bench.workloads import describe
 
     cost = ModelCost.of(gpt)
     # Each decode step's attention reads every slot's whole K and V buffers (masked, not cut).
@@ -232,7 +230,7 @@ def assemble(runs, gpt, workload, ctx, opts, peaks, skipped, model_label) -> dic
 
 
 def emit(result: dict, opts: dict) -> None:
-    from thunder_batch.bench_output import plot, print_report
+    from thunder_batch.bench.output import plot, print_report
 
     print_report(result)
     if opts["output_json"]:

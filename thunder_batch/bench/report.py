@@ -7,10 +7,11 @@ import math
 import os
 import platform
 import sys
-from importlib import metadata
 
-from thunder_batch.bench_baselines import SystemRun
-from thunder_batch.metrics import ModelCost, latency_metrics, throughput_metrics, useful_flops
+from thunder_batch.bench.metrics import ModelCost, latency_metrics, throughput_metrics, useful_flops
+from thunder_batch.bench.parity import compare_tokens
+from thunder_batch.bench.system import SystemRun
+from thunder_batch.versions import package_versions
 
 SEQUENTIAL, BATCHED, EAGER = "litgpt-sequential", "litgpt-batched", "eager"
 TARGETS = dict(vs_litgpt_sequential=12.0, vs_litgpt_batched=2.0, vs_eager=1.2, decode_peak_fraction_b32=0.4)
@@ -37,7 +38,8 @@ def step_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_slot
         nbytes = len(steps) * (cost.weight_bytes + B * kv_bytes_per_slot_step)
         out[name] = dict(steps=len(steps), mean_step_ms=1000 * seconds / len(steps), flops_per_s=flops / seconds,
                          peak_matmul_fraction=flops / seconds / peaks["matmul_flops_per_s"],
-                         bytes_per_s=nbytes / seconds, copy_bandwidth_fraction=nbytes / seconds / peaks["copy_bytes_per_s"])
+                         bytes_per_s=nbytes / seconds,
+                         copy_bandwidth_fraction=nbytes / seconds / peaks["copy_bytes_per_s"])
     return out
 
 
@@ -50,18 +52,6 @@ def run_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_slot_
                 ttft_samples_ms=[1000 * t.ttft for t in run.traces if t.ttft is not None],
                 compile=run.compile, memory=run.memory, **step_metrics(run, cost, peaks, kv_bytes_per_slot_step),
                 notes=run.notes, **run.extra)
-
-
-def compare_tokens(reference: list[list[int]], tokens: list[list[int]]) -> dict:
-    """Greedy-token check of one system against the reference: mismatched requests, first divergence."""
-    bad = [i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b]
-    out = dict(mismatched_requests=len(bad), checked_requests=len(reference), first_mismatch=None)
-    if bad:
-        a, b = reference[bad[0]], tokens[bad[0]]
-        pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        out["first_mismatch"] = dict(request=bad[0], position=pos, expected=a[pos:pos + 5], got=b[pos:pos + 5],
-                                     expected_len=len(a), got_len=len(b))
-    return out
 
 
 def reference_run(runs: list[SystemRun]) -> SystemRun | None:
@@ -114,7 +104,7 @@ def target_row(name: str, target: float, measured: float | None, where: str) -> 
 
 
 def targets(metrics: list[dict]) -> list[dict]:
-    """The issue's targets, for the best Thunder system at each batch size."""
+    """The performance targets (docs/DESIGN.md), for the best Thunder system at each batch size."""
     rows = []
     for B in sorted({m["batch_size"] for m in metrics if m["batch_size"] is not None}):
         thunder = [m for m in metrics if m["batch_size"] == B and is_thunder(m["system"])]
@@ -128,19 +118,15 @@ def targets(metrics: list[dict]) -> list[dict]:
             frac = best.get("full_decode", best.get("decode", {})).get("peak_matmul_fraction")
             rows.append(target_row("decode FLOP/s / peak matmul", TARGETS["decode_peak_fraction_b32"], frac, where))
     if not any(m["batch_size"] == 32 for m in metrics):
-        rows.append(target_row("decode FLOP/s / peak matmul", TARGETS["decode_peak_fraction_b32"], None, "B=32 not run"))
+        target = TARGETS["decode_peak_fraction_b32"]
+        rows.append(target_row("decode FLOP/s / peak matmul", target, None, "B=32 not run"))
     return rows
 
 
 def machine_info(device) -> dict:
     import torch
 
-    versions = {}
-    for dist in ("torch", "lightning-thunder", "litgpt", "thunder_batch", "tokenizers", "litserve"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
+    versions = package_versions(("torch", "lightning-thunder", "litgpt", "thunder_batch", "tokenizers", "litserve"))
     cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                 if line.startswith("model name")), platform.processor())
     mem = next((int(line.split()[1]) * 1024 for line in _read("/proc/meminfo").splitlines()

@@ -8,68 +8,13 @@
 
 from __future__ import annotations
 
-import copy
-import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
-from thunder_batch.bench_workloads import BenchRequest, same_length_groups
-from thunder_batch.metrics import PeakMemory, RequestTrace
-
-
-@dataclass
-class BenchContext:
-    """Settings shared by every system of one benchmark run."""
-
-    device: torch.device
-    max_seq_length: int
-    prefill_chunk: int = 64
-    eos_id: int | None = None
-    ignore_eos: bool = False
-    tokenizer: object = None
-    progress: bool = True
-    cache_dir: str | None = None  # None: a fresh temporary compile cache (cold compile = real trace)
-    warm_compile: bool = True
-    profile: bool = False
-
-    @property
-    def stop_tokens(self) -> tuple[list[int], ...]:
-        return () if self.ignore_eos or self.eos_id is None else ([self.eos_id],)
-
-
-@dataclass
-class SystemRun:
-    """What one system did on the workload: per-request traces and everything measured around them."""
-
-    system: str
-    batch_size: int | None  # None: independent of B (one prompt at a time)
-    traces: list[RequestTrace]
-    wall_s: float
-    memory: dict
-    compile: dict = field(default_factory=dict)
-    steps: list = field(default_factory=list)  # StepRecord per engine step (engine systems only)
-    notes: list[str] = field(default_factory=list)
-    extra: dict = field(default_factory=dict)
-
-
-def wait_until(deadline: float) -> None:
-    delay = deadline - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
-
-
-def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr, leave=False)
-
-
-def fresh_model(gpt: torch.nn.Module, max_seq_length: int) -> torch.nn.Module:
-    """A private copy of the weights, so no system sees another's caches or edits."""
-    model = copy.deepcopy(gpt).eval().requires_grad_(False)
-    model.max_seq_length = max_seq_length
-    return model
+from thunder_batch.bench.metrics import PeakMemory, RequestTrace
+from thunder_batch.bench.system import BenchContext, SystemRun, fresh_model, progress_bar, wait_until
+from thunder_batch.bench.workloads import BenchRequest, same_length_groups
 
 
 @torch.inference_mode()

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from thunder_batch.bench_baselines import BenchContext, SystemRun, fresh_model, progress_bar
-from thunder_batch.bench_workloads import BenchRequest
+from thunder_batch.bench.metrics import PeakMemory, RequestTrace
+from thunder_batch.bench.system import BenchContext, SystemRun, fresh_model, progress_bar
+from thunder_batch.bench.workloads import BenchRequest
 from thunder_batch.config import EngineConfig, SamplingParams
-from thunder_batch.metrics import PeakMemory, RequestTrace
 
 # system name -> executors (None: eager). sdpa is listed so attention is not decomposed.
 ENGINE_SYSTEMS = {

@@ -1,7 +1,7 @@
 """The HTTP side of `thunder-batch serve`: OpenAI routes as a LitServe spec, errors and API keys.
 
 Runs in LitServe's API server processes. Requests are parsed and answers shaped by
-`openai_api`; this module moves them between HTTP and the inference worker (`server.EngineAPI`).
+`openai`; this module moves them between HTTP and the inference worker (`worker.EngineAPI`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,18 @@ from litserve.specs.base import LitSpec
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 from starlette.exceptions import HTTPException
 
-from thunder_batch.openai_api import (CHAT, COMPLETION, SSE_DONE, APIError, Job, Shaper, models_list, parse_request,
-                                      sse, usage)
+from thunder_batch.serve.openai import (
+    CHAT,
+    COMPLETION,
+    SSE_DONE,
+    APIError,
+    Job,
+    Shaper,
+    models_list,
+    parse_request,
+    sse,
+    usage,
+)
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
 

@@ -1,8 +1,9 @@
 """OpenAI-compatible request parsing and response shaping for `thunder-batch serve`.
 
-Pure Python (imports no torch, no web framework). The HTTP side validates a request here before
-it reaches the inference worker; the worker reports only prompt-dependent errors (chat template,
-prompt too long for the cache), which need the tokenizer. Every response body is shaped here.
+Pure Python (imports no torch, no web framework). The HTTP side parses a request here, once, into
+the prompt and a validated SamplingParams before it reaches the inference worker; the worker reports
+only prompt-dependent errors (chat template, prompt too long for the cache), which need the
+tokenizer. Every response body is shaped here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from thunder_batch.config import SamplingParams
+from thunder_batch.config import ParamError, SamplingParams, is_int
 
 CHAT, COMPLETION = "chat", "completion"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -46,12 +47,12 @@ class Job:
 
     kind: str
     prompt: object  # str | list[int] | list of {"role", "content"} dicts
-    sampling: dict  # SamplingParams kwargs; max_new_tokens None: fill the rest of the cache
+    params: SamplingParams  # max_new_tokens None: the rest of the cache (the engine resolves it)
     stream: bool = False
     include_usage: bool = False
 
     def payload(self) -> dict:
-        return {"prompt": self.prompt, "sampling": self.sampling}
+        return {"prompt": self.prompt, "params": self.params}
 
 
 def parse_json(body: bytes) -> dict:
@@ -59,6 +60,8 @@ def parse_json(body: bytes) -> dict:
         data = json.loads(body)
     except (UnicodeDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid UTF-8 JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # e.g. [[[...]]] thousands deep: a client error, not a 500
+        raise APIError(400, "the request body nests too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     return data
@@ -82,21 +85,19 @@ def parse_request(body: bytes, kind: str) -> Job:
     return Job(kind, prompt, _sampling(data, max_tokens), stream, include_usage)
 
 
-def _sampling(data: dict, max_tokens: int | None) -> dict:
+def _sampling(data: dict, max_tokens: int | None) -> SamplingParams:
     top_k = _get(data, "top_k", int)
     stop = _get(data, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise APIError(400, "'stop' must be a string or a list of strings", "stop", "invalid_type")
-    kw = dict(max_new_tokens=max_tokens, temperature=_get(data, "temperature", (int, float), 1.0),
-              top_p=_get(data, "top_p", (int, float), 1.0), top_k=None if top_k == -1 else top_k,
-              stop=stop, seed=_get(data, "seed", int))
-    try:  # validate now (max_new_tokens=None is resolved by the worker, which knows the prompt length)
-        SamplingParams(**{**kw, "max_new_tokens": 1 if max_tokens is None else max_tokens})
-    except ValueError as e:
+    try:
+        return SamplingParams(max_new_tokens=max_tokens, temperature=_get(data, "temperature", (int, float), 1.0),
+                              top_p=_get(data, "top_p", (int, float), 1.0), top_k=None if top_k == -1 else top_k,
+                              stop=stop, seed=_get(data, "seed", int))
+    except ParamError as e:  # the client named it max_tokens (or max_completion_tokens)
+        param = "max_tokens" if e.param == "max_new_tokens" else e.param
         message = str(e).replace("max_new_tokens", "max_tokens")
-        param = message.split(" ", 1)[0]
         raise APIError(400, message, param if param in data else None, "invalid_value") from None
-    return kw
 
 
 def _messages(data: dict) -> list[dict]:
@@ -130,14 +131,10 @@ def _completion_prompt(data: dict):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return prompt
     raise APIError(400, "'prompt' is required: a non-empty string or list of token ids (one prompt per request)",
                    "prompt", "invalid_value")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "a boolean", list: "an array", dict: "an object"}
@@ -207,4 +204,5 @@ def sse(obj: dict) -> str:
 
 
 def models_list(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "thunder_batch"}]}
+    entry = {"id": model, "object": "model", "created": created, "owned_by": "thunder_batch"}
+    return {"object": "list", "data": [entry]}
