@@ -102,6 +102,28 @@ def print_table(name: str, rows: list[dict], batch: int) -> None:
     print("| identical | " + " | ".join(f"{same[c]}/{len(rows)}" for c in cols[1:]) + " |", flush=True)
 
 
+def tiled_linear(x, w, tile: int = 32):
+    """F.linear over fixed blocks of <= `tile` rows: each row then sees the same kernel whatever M is
+    (on this CPU bf16 rows are M-invariant up to M = 32). x: [M, K], w: [N, K] -> [M, N]."""
+    return torch.cat([F.linear(x[i:i + tile], w) for i in range(0, x.shape[0], tile)])
+
+
+def tiling_cost(dtype, m: int = 256, reps: int = 10) -> str:
+    """ms of F.linear vs tiled_linear for the MLP's fc shape at M rows, and whether tiling is M-invariant."""
+    torch.manual_seed(2)
+    w, x = (torch.randn(1536, 576) / 24).to(dtype), torch.randn(m, 576).to(dtype)  # [N, K], [M, K]
+    times = []
+    for fn in (F.linear, tiled_linear):
+        fn(x, w)
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn(x, w)
+        times.append((time.perf_counter() - start) / reps * 1e3)
+    alone = torch.cat([F.linear(x[i:i + 1], w) for i in range(m)])  # [M, N]
+    same = torch.equal(tiled_linear(x, w), alone)
+    return f"M={m}: F.linear {times[0]:.2f} ms, 32-row tiles {times[1]:.2f} ms, tiles == rows alone: {same}"
+
+
 def linear_row_invariance(dtype, ms=(1, 2, 8, 16, 32, 64, 128, 256, 512)) -> dict:
     """For the model's linear shapes: max |F.linear(x)[i] - F.linear(x[i:i+1])| over rows, per M."""
     torch.manual_seed(0)
@@ -133,6 +155,31 @@ def sdpa_row_invariance(dtype, cache_len: int = 256) -> dict:
     return out
 
 
+@torch.no_grad()
+def ops_that_change(dtype, rows: int = 8, t: int = 32) -> tuple[list[str], list[float]]:
+    """litgpt forward (no cache) of one prompt alone [1, t] vs as row 0 of [rows, t]. Returns the leaf
+    modules whose row-0 input is bit-identical in both runs but whose output is not (the ops that
+    depend on M = rows * t), and the max |difference| of row 0 after each transformer block."""
+    gpt, _, _ = load_checkpoint(default_checkpoint_dir(), dtype=dtype)
+    blocks = {f"transformer.h.{i}" for i in range(gpt.config.n_layer)}
+    seen: dict[str, list] = {}
+
+    def record(name):
+        return lambda mod, inp, out: seen.setdefault(name, []).append((inp[0][0].clone(), out[0].clone()))
+
+    for name, mod in gpt.named_modules():
+        if name in blocks or (name and not list(mod.children())):  # blocks, linears, norms, embedding
+            mod.register_forward_hook(record(name))
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, gpt.config.vocab_size, (rows, t), generator=gen)  # [rows, t]
+    gpt(batch[:1])
+    gpt(batch)
+    diff = {n: (a[1].float() - b[1].float()).abs().max().item() for n, (a, b) in seen.items()}
+    culprits = [f"{n} ({diff[n]:.3g})" for n, (a, b) in seen.items()
+                if n not in blocks and torch.equal(a[0], b[0]) and diff[n] > 0]
+    return culprits, [diff[f"transformer.h.{i}"] for i in range(gpt.config.n_layer)]
+
+
 def probe() -> None:
     for name, dtype in DTYPES.items():
         lin = linear_row_invariance(dtype)
@@ -143,6 +190,12 @@ def probe() -> None:
         for m in ms:
             print(f"| {m} | " + " | ".join(f"{lin[(lab, m)]:.3g}" for lab in labels) + " |")
         print(f"\nsdpa slot 0 alone vs in batch, {name}: {sdpa_row_invariance(dtype)}", flush=True)
+        print(f"\nfc linear, {name}: {tiling_cost(dtype)}")
+        for rows, t in ((8, 32), (8, 1)):
+            ops, layers = ops_that_change(dtype, rows, t)
+            print(f"\nlitgpt forward, row 0 alone [1, {t}] vs in [{rows}, {t}], {name}: modules with an identical "
+                  f"row-0 input and a different output (max abs diff): {ops[:6]}; row-0 max abs diff after "
+                  f"each block: {' '.join(f'{d:.2g}' for d in layers)}", flush=True)
 
 
 def main() -> None:
@@ -159,7 +212,7 @@ def main() -> None:
     flags = subprocess.run("lscpu | grep Flags", shell=True, capture_output=True, text=True).stdout.strip()
     print(f"# torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}\n# {flags}")
     print(f"# {vars(args)}")
-    for name in args.precisions.split(","):
+    for name in filter(None, args.precisions.split(",")):
         print_table(name, run_precision(name, args), args.batch)
     if args.probe:
         probe()
