@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thunder_batch.sampler import batched_sample, bits_to_uniform, gumbel_noise, random_bits
+from thunder_batch.sampler import batched_sample, bits_to_uniform, filter_top_k_top_p, gumbel_noise, random_bits
 
 V = 64
 
@@ -16,7 +16,7 @@ def rows(n, value, dtype):
     return t.expand(n).clone() if t.ndim == 0 else t
 
 
-def sample(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0, position=0):
+def sample(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0, position=0, **kw):
     n = logits.shape[0]
     return batched_sample(
         logits,
@@ -25,6 +25,7 @@ def sample(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0, position=0):
         rows(n, top_p, torch.float32),
         rows(n, seed, torch.int64),
         rows(n, position, torch.int64),
+        **kw,
     )
 
 
@@ -226,3 +227,71 @@ def test_logprob_is_raw_log_softmax_at_token(dtype):
     assert torch.equal(logp, expected)
     greedy = temperature == 0
     assert torch.equal(tok[greedy], logits.float().argmax(-1)[greedy])
+
+
+def test_filter_leaves_rows_without_top_k_or_top_p_untouched():
+    torch.manual_seed(6)
+    n = 12
+    scaled = torch.randn(n, V) * 10  # [n, V] sharp: float32 cumsum of the probs passes 1.0 early
+    scaled[0, :8] = scaled[0, 8]  # ties
+    scaled[1] = 0.0  # flat
+    scaled[2, 5:] = float("-inf")  # a masked tail
+    top_k = torch.tensor([0, V, V + 5, 0] * 3)  # [n] all mean "no top-k"
+    out = filter_top_k_top_p(scaled, top_k, torch.ones(n))
+    assert torch.equal(out, scaled)
+    capped = filter_top_k_top_p(scaled, torch.full((n,), 3), torch.ones(n))  # top-k alone still applies
+    assert ((capped > float("-inf")).sum(-1)[3:] == 3).all()
+
+
+def temperature_only_batch(n, seed=7):
+    """Sharp and flat rows, greedy and sampled, many seeds: [n, V] logits and per-row parameters."""
+    torch.manual_seed(seed)
+    logits = torch.randn(n, V) * torch.tensor([0.3, 1.0, 3.0, 10.0]).repeat(n // 4)[:, None]  # [n, V]
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.6]).repeat_interleave(n // 4)  # [n]
+    return logits, temperature, torch.arange(n) * 7919, torch.arange(n) % 97 + 3
+
+
+def test_unfiltered_head_gives_the_same_tokens_for_greedy_and_temperature_rows():
+    n = 256
+    logits, temperature, seed, position = temperature_only_batch(n)
+    top_k = torch.tensor([0, V, V + 1, 0]).repeat(n // 4)  # [n] all "off"
+    with_sort = sample(logits, temperature, top_k, 1.0, seed, position, filtered=True)
+    without = sample(logits, temperature, top_k, 1.0, seed, position, filtered=False)
+    assert torch.equal(with_sort[0], without[0]) and torch.equal(with_sort[1], without[1])
+    sampled = temperature > 0
+    assert (without[0][sampled] != logits.argmax(-1)[sampled]).sum() > 40  # rows really sample
+
+
+def test_temperature_row_beside_top_p_rows_equals_it_alone_unfiltered():
+    n = 64
+    logits, temperature, seed, position = temperature_only_batch(n, seed=8)
+    alone = sample(logits, temperature, 0, 1.0, seed, position, filtered=False)
+    # Interleave: even slots hold the rows under test, odd slots top-p / top-k neighbours.
+    mixed = torch.randn(2 * n, V) * 2  # [2n, V]
+    mixed[0::2] = logits
+    temp2 = torch.ones(2 * n).index_copy(0, torch.arange(0, 2 * n, 2), temperature)
+    top_p2 = torch.full((2 * n,), 0.5).index_fill(0, torch.arange(0, 2 * n, 2), 1.0)
+    top_k2 = torch.tensor([0, 5]).repeat(n)  # odd slots also top-k 5
+    seed2, pos2 = torch.arange(2 * n).index_copy(0, torch.arange(0, 2 * n, 2), seed), position.repeat_interleave(2)
+    tok, logp = sample(mixed, temp2, top_k2, top_p2, seed2, pos2, filtered=True)
+    assert torch.equal(tok[0::2], alone[0]) and torch.equal(logp[0::2], alone[1])
+    reference = [allowed_probs(mixed[i], 1.0, 5, 0.5) for i in range(1, 2 * n, 2)]
+    assert all(int(t) in ref for t, ref in zip(tok[1::2], reference))  # neighbours really filtered
+
+
+@pytest.mark.regression
+def test_traced_unfiltered_equals_eager_without_a_sort(thunder):
+    torch.manual_seed(9)
+    jf = thunder.jit(batched_sample)
+    n = 8
+    for call in range(3):
+        logits, temperature, seed, position = temperature_only_batch(n, seed=10 + call)
+        args = (logits, temperature, torch.zeros(n, dtype=torch.int64), torch.ones(n), seed,
+                position + call * 2**31)
+        tok, logp = jf(*args, filtered=False)
+        ref_tok, ref_logp = batched_sample(*args, filtered=False)
+        assert torch.equal(tok, ref_tok) and torch.equal(logp, ref_logp)
+        assert torch.equal(tok, batched_sample(*args)[0])  # == the filtered head on these rows
+    assert thunder.cache_misses(jf) == 1
+    src = thunder.last_traces(jf)[-1].python()
+    assert "bitwise_xor" in src and "sort" not in src and "cumsum" not in src

@@ -60,8 +60,10 @@ def filter_top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     sorted_vals = torch.where(in_top_k, sorted_vals, float("-inf"))  # [B, V]
     probs = torch.softmax(sorted_vals, dim=-1)  # [B, V] renormalised over the top-k
     mass_before = torch.cumsum(probs, dim=-1) - probs  # [B, V]
-    # Keep a token while the mass above it is still short of top_p; rank 0 always stays.
-    keep = in_top_k & ((mass_before < top_p[:, None]) | (rank[None, :] == 0))  # [B, V]
+    # Keep a token while the mass above it is still short of top_p; rank 0 always stays. top_p >= 1
+    # keeps all: float32 cumsum can pass 1.0 before the tail and would drop tail tokens.
+    short = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)  # [B, V]
+    keep = in_top_k & (short | (rank[None, :] == 0))  # [B, V]
     n_keep = keep.sum(dim=-1, keepdim=True)  # [B, 1], >= 1
     threshold = torch.gather(sorted_vals, 1, n_keep - 1)  # [B, 1] smallest kept value
     return torch.where(scaled >= threshold, scaled, float("-inf"))  # [B, V]
@@ -69,19 +71,24 @@ def filter_top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 def batched_sample(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, position: Tensor,
-    filtered: bool = True,
+    *, filtered: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """logits[B, V] float (any float dtype; compute in float32), temperature[B] float32 (0 = greedy),
     top_k[B] int64 (0 = no top-k), top_p[B] float32 in (0, 1] (1 = off), seed[B] int64 (>= 0, < 2**31),
     position[B] int64 (the absolute sequence position of the token being sampled).
     Returns (token[B] int64, logprob[B] float32) where logprob is log_softmax of the raw logits
-    (temperature 1, no filtering) at the chosen token."""
+    (temperature 1, no filtering) at the chosen token.
+
+    filtered=False (a Python bool: each value is its own trace) skips the top-k/top-p filter and its
+    full-vocabulary sort, and ignores top_k/top_p. Use it only when no row that counts asks for
+    filtering: rows with top_k in {0, >= V} and top_p == 1 get bit-identical tokens and logprobs
+    either way, because the filter leaves such rows untouched and the noise is the same."""
     logits = logits.float()  # [B, V]
     greedy = temperature <= 0  # [B]
     # Greedy rows divide by 1 so no inf/nan is formed; their sampled value is discarded.
     temp = torch.where(greedy, 1.0, temperature)  # [B]
     scaled = logits / temp[:, None]  # [B, V]
-    if filtered:  # a Python bool: each value is its own trace
+    if filtered:
         scaled = filter_top_k_top_p(scaled, top_k, top_p)  # [B, V]
     # Gumbel-max: argmax(scaled + Gumbel) is a draw from softmax(scaled).
     noisy = scaled + gumbel_noise(seed, position, logits.shape[-1])  # [B, V]
