@@ -30,7 +30,7 @@ def build(gpt_config, batch_size: int, trace: str):
     engine = Engine(litgpt.GPT(gpt_config).eval(), config)
     start = time.perf_counter()
     with torch.no_grad():
-        engine.runner.step_fn(*decode_args(engine), filtered=False)  # compiles the program timed below
+        engine.runner.step_fn(*decode_args(engine), head="greedy")  # compiles the program timed below
     return engine, time.perf_counter() - start
 
 
@@ -57,7 +57,7 @@ def time_steps(engine, args, steps: int) -> float:
     with torch.no_grad():
         start = time.perf_counter()
         for _ in range(steps):
-            out = engine.runner.step_fn(*args, filtered=False)
+            out = engine.runner.step_fn(*args, head="greedy")
         out[0].tolist()
     return 1000 * (time.perf_counter() - start) / steps
 
@@ -75,7 +75,7 @@ def main() -> None:
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         engines = {trace: build(cfg, batch_size, trace) for trace in ("layers", "step")}
         step_args = decode_args(engines["layers"][0])
-        same = [engines[t][0].runner.step_fn(*step_args, filtered=False)[0].tolist() for t in engines]
+        same = [engines[t][0].runner.step_fn(*step_args, head="greedy")[0].tolist() for t in engines]
         times = {trace: [] for trace in engines}
         for _ in range(args.rounds):
             for trace, (engine, _) in engines.items():

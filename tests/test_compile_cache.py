@@ -43,7 +43,9 @@ from helpers import tiny_gpt
 CONFIG = dict(batch_size=2, max_seq_length=16, prefill_chunk=1)  # one step width
 PROMPTS = [[1, 2, 3], [4, 5]]
 PARAMS = SamplingParams(max_new_tokens=4, temperature=0.8, top_k=20, seed=7)  # sampling: logprobs matter
-PIECES = {"prefix", "block", "layers", "head"}  # what one width of a 1-layer model stores (filtered head only)
+# What one width of a 1-layer model stores: prompt tokens sample nothing that counts (greedy head),
+# then every request samples with top-k (the filtered head).
+PIECES = {"prefix", "block", "layers", "head", "head-greedy"}
 TESTS_DIR = Path(__file__).parent
 
 
@@ -86,8 +88,8 @@ def traced(tmp_path_factory):
 def test_cold_start_stores_every_piece(traced):
     assert traced["warnings"] == []
     stats = traced["engine"].stats()
-    assert (stats["cache_misses"], stats["traced"], stats["disk_cache_hits"]) == (1, 3, 0)
-    assert stats["programs"] == {"prefix": 1, "block": 1, "head": 1}
+    assert (stats["cache_misses"], stats["traced"], stats["disk_cache_hits"]) == (1, 4, 0)
+    assert stats["programs"] == {"prefix": 1, "block": 1, "head": 1, "head-greedy": 1}
     assert set(entries(traced["root"])) == PIECES
     record, problem = read_entry(traced["path"], traced["key"])
     assert problem is None and record["fn_name"] == "computation"
@@ -106,7 +108,7 @@ def test_bad_entry_is_retraced_and_overwritten(traced, tmp_path):
     messages = cache_warnings(caught)
     assert len(messages) == 1 and "truncated" in messages[0], messages
     stats = engine.stats()
-    assert (stats["traced"], stats["disk_cache_hits"]) == (1, 2)  # the head traced; prefix and block loaded
+    assert (stats["traced"], stats["disk_cache_hits"]) == (1, 3)  # the head traced; the rest loaded
     assert read_entry(head, key_of_entry(head))[1] is None  # rewritten whole
 
 
@@ -135,7 +137,7 @@ def test_fresh_process_loads_bit_identical_outputs(traced):
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [list(map(list, o)) for o in traced["outputs"]] == loaded["outputs"]
     stats = loaded["stats"]
-    assert (stats["cache_misses"], stats["traced"], stats["disk_cache_hits"]) == (1, 0, 3)  # loaded, not traced
+    assert (stats["cache_misses"], stats["traced"], stats["disk_cache_hits"]) == (1, 0, 4)  # loaded, not traced
     assert stats["compile_seconds"] < 0.5 * traced["engine"].stats()["compile_seconds"]
 
 
@@ -252,7 +254,7 @@ def step_with_warnings(engine):
     """One padding-only step; the compile-cache warnings it raised."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine.runner.run(StepPlan(1, []), filtered=True)
+        engine.runner.run(StepPlan(1, []), head="filtered")
     return cache_warnings(caught)
 
 
@@ -366,7 +368,7 @@ def test_compile_command_lists_and_clears(traced, tmp_path, capsys):
     (root / "README.md").write_text("kept")
     compile_cli.compile_command(list=True, cache_dir=str(root))
     out = capsys.readouterr().out
-    assert "5 entries" in out and "B=2 T=1 S=16" in out and out.count(" ok") == 4 and "BAD" in out
+    assert "6 entries" in out and "B=2 T=1 S=16" in out and out.count(" ok") == 5 and "BAD" in out
     assert all(f"  {piece} " in out for piece in PIECES)
     compile_cli.compile_command(clear=True, cache_dir=str(root))
     assert [p.name for p in root.iterdir()] == ["README.md"]

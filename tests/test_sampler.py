@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thunder_batch.sampler import batched_sample, bits_to_uniform, filter_top_k_top_p, gumbel_noise, random_bits
+from thunder_batch.sampler import (
+    batched_sample,
+    bits_to_uniform,
+    filter_top_k_top_p,
+    greedy_sample,
+    gumbel_noise,
+    random_bits,
+)
 
 V = 64
 
@@ -295,3 +302,19 @@ def test_traced_unfiltered_equals_eager_without_a_sort(thunder):
     assert thunder.cache_misses(jf) == 1
     src = thunder.last_traces(jf)[-1].python()
     assert "bitwise_xor" in src and "sort" not in src and "cumsum" not in src
+
+
+@pytest.mark.regression
+def test_greedy_head_equals_greedy_rows_of_the_sampler(thunder):
+    """greedy_sample: the tokens and logprobs batched_sample gives greedy rows, bit for bit, eager
+    and traced, with no random noise in the trace."""
+    n = 16
+    logits, _, seed, position = temperature_only_batch(n, seed=11)
+    zero = torch.zeros(n)
+    want = sample(logits, zero, 0, 1.0, seed, position)
+    jf = thunder.jit(greedy_sample)
+    for got in (greedy_sample(logits), jf(logits)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(want[0], logits.argmax(-1))
+    src = thunder.last_traces(jf)[-1].python()
+    assert "bitwise_xor" not in src and "sort" not in src

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from thunder_batch.config import SamplingParams
 from thunder_batch.request import Request
-from thunder_batch.scheduler import Scheduler
+from thunder_batch.scheduler import Scheduler, SlotWork, StepPlan
 
 
 def request(rid, n_prompt, **params):
@@ -74,3 +74,20 @@ def test_eos_is_not_returned_unless_ignored():
     assert r.append(2, 0.0).finish_reason == "stop" and r.output_ids == []
     r = Request("y", [1], SamplingParams(max_new_tokens=5, ignore_eos=True), seed=0, eos_ids=stops)
     assert not r.append(2, 0.0).finished and r.output_ids == [2]
+
+
+def test_head_for_picks_the_cheapest_head_that_serves_every_sampling_slot():
+    from thunder_batch.runner import head_for
+
+    def work(params, samples=True):
+        request = Request(0, [1, 2], params, 0, frozenset(), None)
+        return SlotWork(0, request, [2], 1, samples=samples)
+
+    greedy, temp = SamplingParams(), SamplingParams(temperature=0.8)
+    top_p, top_k = SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_k=5)
+    assert head_for(StepPlan(1, [work(greedy), work(greedy)])) == "greedy"
+    assert head_for(StepPlan(4, [work(greedy), work(top_p, samples=False)])) == "greedy"  # still prefilling
+    assert head_for(StepPlan(1, [work(greedy), work(temp)])) == "unfiltered"
+    assert head_for(StepPlan(1, [work(temp), work(top_p)])) == "filtered"
+    assert head_for(StepPlan(1, [work(top_k)])) == "filtered"
+    assert head_for(StepPlan(1, [work(SamplingParams(top_k=5, top_p=0.5))])) == "greedy"  # temperature 0

@@ -13,7 +13,7 @@ from litgpt.model import do_softcapping
 from torch import nn
 
 from thunder_batch.model import block_forward, step_inputs
-from thunder_batch.sampler import batched_sample
+from thunder_batch.sampler import batched_sample, greedy_sample
 
 
 class StepPrefix(nn.Module):
@@ -41,17 +41,23 @@ class BlockStep(nn.Module):
         return block_forward(self.block, x, cos, sin, (mask_global, mask_window), input_pos)
 
 
+HEADS = ("filtered", "unfiltered", "greedy")
+
+
 class StepHead(nn.Module):
     """Final norm and lm_head on each slot's last real token, then the sampler.
 
-    filtered=False leaves out the top-k/top-p filter (a full-vocabulary sort): for steps in which
-    no busy slot asks for it. Greedy and temperature-only rows get the same tokens either way.
+    Three variants, each for the steps that need no more: "filtered" (top-k/top-p by a
+    full-vocabulary sort), "unfiltered" (temperature sampling without the sort), "greedy" (argmax,
+    no random noise). A row gets the same token and logprob from every variant that serves it.
     """
 
-    def __init__(self, gpt: nn.Module, filtered: bool = True) -> None:
+    def __init__(self, gpt: nn.Module, variant: str = "filtered") -> None:
         super().__init__()
+        if variant not in HEADS:
+            raise ValueError(f"head variant must be one of {HEADS}, got {variant!r}")
         self.gpt = gpt
-        self.filtered = filtered
+        self.variant = variant
 
     def forward(self, x, input_pos, last_idx, temperature, top_k, top_p, seed):
         # x: [B, T, C]; input_pos: [B, T]; last_idx: [B] -> (token [B], logprob [B])
@@ -63,7 +69,10 @@ class StepHead(nn.Module):
             logits = do_softcapping(logits, gpt.config.final_logit_softcapping)
         last_pos = input_pos.gather(1, last_idx.view(B, 1)).squeeze(1)  # [B]
         # The RNG is keyed by the sampled token's own position: independent of slot and batch-mates.
-        return batched_sample(logits, temperature, top_k, top_p, seed, last_pos + 1, filtered=self.filtered)
+        if self.variant == "greedy":
+            return greedy_sample(logits)
+        return batched_sample(logits, temperature, top_k, top_p, seed, last_pos + 1,
+                              filtered=self.variant == "filtered")
 
 
 class StepProgram(nn.Module):
@@ -74,14 +83,11 @@ class StepProgram(nn.Module):
         cache_len = gpt.transformer.h[0].attn.kv_cache.k.shape[2]
         self.prefix = StepPrefix(gpt, cache_len)
         self.blocks = nn.ModuleList(BlockStep(block) for block in gpt.transformer.h)
-        self.heads = nn.ModuleDict({"filtered": StepHead(gpt, True), "unfiltered": StepHead(gpt, False)})
+        self.heads = nn.ModuleDict({variant: StepHead(gpt, variant) for variant in HEADS})
 
-    def forward(self, idx, input_pos, last_idx, temperature, top_k, top_p, seed, filtered: bool = True):
-        return run_step(self.prefix, list(self.blocks), self.head(filtered),
+    def forward(self, idx, input_pos, last_idx, temperature, top_k, top_p, seed, head: str = "filtered"):
+        return run_step(self.prefix, list(self.blocks), self.heads[head],
                         idx, input_pos, last_idx, temperature, top_k, top_p, seed)
-
-    def head(self, filtered: bool) -> StepHead:
-        return self.heads["filtered" if filtered else "unfiltered"]
 
 
 def run_step(prefix, blocks, head, idx, input_pos, last_idx, temperature, top_k, top_p, seed):

@@ -11,7 +11,7 @@ from thunder_batch.compile import load_or_compile_program
 from thunder_batch.config import EngineConfig
 from thunder_batch.kv_cache import attach_slot_caches
 from thunder_batch.model import check_supported
-from thunder_batch.program import StepProgram
+from thunder_batch.program import HEADS, StepProgram
 from thunder_batch.scheduler import StepPlan
 
 
@@ -49,7 +49,7 @@ class Runner:
         # A head without the top-k/top-p sort is one more small piece, but one more whole trace of
         # the model with trace="step": there, every step keeps the sort.
         whole_step = config.compile == "thunder" and config.trace == "step"
-        self.head_variants = (True,) if whole_step else (True, False)
+        self.head_variants = ("filtered",) if whole_step else HEADS
 
     def inputs_for(self, plan: StepPlan) -> StepInputs:
         B, T, S = self.config.batch_size, plan.width, self.config.max_seq_length
@@ -82,22 +82,25 @@ class Runner:
                       disable=not progress, file=sys.stderr)
         for width in widths:
             start = time.perf_counter()
-            for filtered in self.head_variants:  # with and without the top-k/top-p sort
-                self.run(StepPlan(width, []), filtered)
+            for head in self.head_variants:  # with and without the top-k/top-p sort, greedy
+                self.run(StepPlan(width, []), head)
             seconds[width] = time.perf_counter() - start
         return seconds
 
-    def run(self, plan: StepPlan, filtered: bool | None = None) -> tuple[list[int], list[float]]:
+    def run(self, plan: StepPlan, head: str | None = None) -> tuple[list[int], list[float]]:
         """One step; returns the sampled token and its logprob for every slot (one host sync).
-        The head sorts the vocabulary only when some slot samples with top-k or top-p."""
-        if filtered is None:
-            filtered = needs_filter(plan) or self.head_variants == (True,)
+        The head (see StepHead) is the cheapest that serves every slot sampling this step."""
+        if head is None:
+            head = head_for(plan) if len(self.head_variants) > 1 else self.head_variants[0]
         with torch.no_grad():
-            token, logprob = self.step_fn(*self.inputs_for(plan).as_args(), filtered=filtered)
+            token, logprob = self.step_fn(*self.inputs_for(plan).as_args(), head=head)
         return token.tolist(), logprob.tolist()
 
 
-def needs_filter(plan: StepPlan) -> bool:
-    """True when a slot samples (temperature > 0) with top-k or top-p: greedy rows never filter."""
-    return any(w.request.params.temperature > 0 and (w.request.params.top_k or w.request.params.top_p < 1)
-               for w in plan.work)
+def head_for(plan: StepPlan) -> str:
+    """"greedy" when no slot that samples this step has temperature > 0, "filtered" when one of
+    those uses top-k or top-p, else "unfiltered". Slots still prefilling sample nothing that counts."""
+    sampling = [w.request.params for w in plan.work if w.samples and w.request.params.temperature > 0]
+    if not sampling:
+        return "greedy"
+    return "filtered" if any(p.top_k or p.top_p < 1 for p in sampling) else "unfiltered"

@@ -93,6 +93,18 @@ def batched_sample(
     # Gumbel-max: argmax(scaled + Gumbel) is a draw from softmax(scaled).
     noisy = scaled + gumbel_noise(seed, position, logits.shape[-1])  # [B, V]
     token = torch.where(greedy, logits.argmax(dim=-1), noisy.argmax(dim=-1))  # [B]
+    return token, logprob_of(logits, token)
+
+
+def greedy_sample(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """`batched_sample` for steps where every row that counts is greedy: the argmax and its logprob,
+    bit-identical to what `batched_sample` gives a greedy row, without drawing any random noise."""
+    logits = logits.float()  # [B, V]
+    token = logits.argmax(dim=-1)  # [B]
+    return token, logprob_of(logits, token)
+
+
+def logprob_of(logits: Tensor, token: Tensor) -> Tensor:
+    """log_softmax of float32 logits[B, V] at token[B] -> [B]."""
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-    logprob = torch.gather(logprobs, 1, token[:, None]).squeeze(1)  # [B]
-    return token, logprob
+    return torch.gather(logprobs, 1, token[:, None]).squeeze(1)  # [B]

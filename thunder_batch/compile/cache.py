@@ -51,7 +51,7 @@ def sha256(text: str | bytes) -> str:
 class CacheKey:
     """Everything a traced piece of the step program depends on; its digest names the entry file."""
 
-    piece: str  # prefix, block, head, head-unfiltered, or layers (which block program each layer runs)
+    piece: str  # prefix, block, head, head-unfiltered, head-greedy, or layers (which block program each layer runs)
     signature: str  # block programs: digest of the values Thunder checks on the block (else "")
     model_config: str  # canonical JSON of the litgpt Config
     module_signature: str  # SHA-256 over (name, shape, dtype) of every parameter/buffer and module class

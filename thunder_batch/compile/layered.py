@@ -53,7 +53,7 @@ class LayeredProgram:
         self.compile_seconds = 0.0
 
     @torch.no_grad()
-    def __call__(self, idx, input_pos, last_idx, temperature, top_k, top_p, seed, filtered: bool = True):
+    def __call__(self, idx, input_pos, last_idx, temperature, top_k, top_p, seed, head: str = "filtered"):
         self.calls += 1
         width = self._widths.setdefault(int(idx.shape[1]), _Width())
         x, cos, sin, mask_global, mask_window = self._prefix(width, (idx, input_pos))
@@ -62,11 +62,11 @@ class LayeredProgram:
         if not width.blocks_settled:
             width.blocks_settled = True
             self._store_blocks(width, (x, cos, sin, mask_global, mask_window, input_pos))
-        kind = "head" if filtered else "head-unfiltered"
+        kind = "head" if head == "filtered" else f"head-{head}"
         head_args = (x, input_pos, last_idx, temperature, top_k, top_p, seed)
         fn = width.heads.get(kind)
         if fn is None:
-            fn, out = self._make(kind, self.program.head(filtered), head_args)
+            fn, out = self._make(kind, self.program.heads[head], head_args)
             width.heads[kind] = fn
             return out
         return fn(*head_args)
