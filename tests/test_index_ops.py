@@ -93,8 +93,8 @@ def test_traced_equals_eager_and_lowers_to_gather_and_row_copy(select, copy):
     jcopy = thunder.jit(lambda t, idx, val: index_copy_2d(t, dim, idx, val))
     jcopy(out, idx, val)
     assert torch.equal(out, expected)
-    names = {bsym.sym.name for bsym in thunder.last_traces(jcopy)[-1].bound_symbols}
-    assert "index_copy_" in names or "index_copy" in names, names
-    assert "index_copy" not in names
+    ops = [bsym.sym.name for bsym in thunder.last_traces(jcopy)[-1].bound_symbols]
+    # one row-wise copy for the whole batch, not litgpt's loop of one index_copy_ per row
+    assert ops.count("index_copy") + ops.count("index_copy_") == 1, ops
     names = {bsym.sym.name for bsym in thunder.last_traces(jselect)[-1].bound_symbols}
     assert "index_select" in names or "take" in names, names
