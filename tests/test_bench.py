@@ -103,14 +103,15 @@ def test_eager_and_litgpt_baselines_end_to_end(tmp_path):
         assert m["output_tokens"] == 6 * workload["max_new_tokens_mean"] and m["requests"] == 6
         assert m["output_tokens_per_s"] > 0 and m["ttft_ms"]["n"] == 6 and m["ttft_ms"]["p99"] >= m["ttft_ms"]["p50"]
         assert m.get("token_check", {"mismatched_requests": 0})["mismatched_requests"] == 0
-    assert result["token_reference"] == "eager@B=1"
+    assert result["token_reference"] == {"float32": "eager@B=1"} and runs[("eager", 1)]["token_reference"]
     assert 0 < runs[("eager", 3)]["slot_occupancy"] <= 1 and runs[("eager", 1)]["slot_occupancy"] == 1
     assert runs[("eager", 3)]["decode"]["peak_matmul_fraction"] > 0
     assert "same-length prompts only" in runs[("litgpt-batched", 3)]["notes"][0]
-    assert set(result["speedup_vs_litgpt_sequential"]) == {"B=1", "B=3"}
+    assert set(result["speedup_vs_litgpt_sequential"]["float32"]) == {"B=1", "B=3"}
+    assert all(m["precision"] == "float32" for m in runs.values())
     saved = json.loads(out_json.read_text())
     assert {"meta", "workload", "peaks", "runs", "targets", "speedup_vs_litgpt_sequential", "skipped"} <= set(saved)
-    assert saved["meta"]["versions"]["torch"] and saved["peaks"]["matmul_flops_per_s"] > 0
+    assert saved["meta"]["versions"]["torch"] and saved["peaks"]["matmul_flops_per_s"]["float32"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
