@@ -260,6 +260,7 @@ def test_two_precision_run_end_to_end(tmp_path, capsys):
     assert base["by_precision"] == seq and base["output_tokens_per_s"] == max(seq.values())
     eager = runs[("eager", "float32", 2)]
     assert eager["speedup"]["vs_litgpt_sequential"] == pytest.approx(eager["output_tokens_per_s"] / max(seq.values()))
+    assert result["model"]["label"] == "model float32,bfloat16"
     assert result["model"]["weight_bytes"]["bfloat16"] * 2 == result["model"]["weight_bytes"]["float32"]
     saved = json.loads(out_json.read_text())
     assert saved["litgpt_sequential_baseline"]["precision"] == base["precision"]

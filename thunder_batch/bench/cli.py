@@ -82,9 +82,8 @@ def bench(
     model = ModelOptions(**model)  # the engine's shape options are bench's own: it sweeps batch sizes
     checkpoint_dir = default_checkpoint_dir() if model.checkpoint_dir is None else model.checkpoint_dir
     gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=model.dtype, device=device)
-    label = ",".join(parse_precisions(precisions, model.precision))
     run_benchmark(gpt, tokenizer, prompt_style_for(config, checkpoint_dir),
-                  model_label=f"{Path(checkpoint_dir).name} {label}", **options)
+                  model_label=Path(checkpoint_dir).name, **options)
 
 
 RUN_OPTIONS = ("dataset", "num_requests", "max_new_tokens", "input_len", "range_ratio", "batch_size", "prefill_chunk",
@@ -139,7 +138,8 @@ def make_workload(gpt, tokenizer, prompt_style, opts: dict):
 
 def run_benchmark(gpt, tokenizer=None, prompt_style=None, model_label: str = "model", **opts) -> dict:
     """Run the benchmark on a loaded litgpt GPT (tokenizer may be None with dataset="random"); returns the
-    result dict that --output-json writes. Options are `bench`'s arguments, minus model loading."""
+    result dict that --output-json writes. Options are `bench`'s arguments, minus model loading; the
+    model's label gets the run's precisions appended."""
     opts = {**DEFAULTS, **opts}
     precisions = parse_precisions(opts["precisions"], precision_of(gpt))
     specs = parse_systems(opts["systems"])
@@ -149,6 +149,7 @@ def run_benchmark(gpt, tokenizer=None, prompt_style=None, model_label: str = "mo
     ctx = make_context(gpt, tokenizer, opts, max_seq_length)
     skipped = unavailable_systems([s.name for s in specs], online=not math.isinf(opts["request_rate"]))
     peaks = measure_peaks(ctx.device, precisions, opts["matmul_n"], opts["copy_mb"])
+    model_label = f"{model_label} {','.join(precisions)}"
     started = time.time()
     runs = []
     for name, precision, B in [p for p in plan if p[0] not in skipped]:
