@@ -87,6 +87,10 @@ def test_parse_options():
     parser.add_function_arguments(bench.bench)
     assert parser.parse_args(["--batch_size", "1,4,8"]).batch_size == "1,4,8"
     assert bench.parse_batch_sizes(parser.parse_args(["--batch_size", "8"]).batch_size) == [8]
+    systems = "eager@float32:32,litgpt-sequential,thunder-torch@bfloat16/float32:64/128"
+    parsed = parser.parse_args(["--systems", systems, "--precisions", "float32,bfloat16"])
+    assert (parsed.systems, parsed.precisions) == (systems, "float32,bfloat16")  # kept verbatim, not YAML
+    assert parser.parse_args([]).precisions is None
 
 
 def test_eager_and_litgpt_baselines_end_to_end(tmp_path):
