@@ -1,8 +1,8 @@
 """`thunder-batch bench`: the engine against litgpt's own loops, same prompts, same weights, one run.
 
 Workloads live in `workloads`, litgpt's loops in `baselines`, the engine runs in `engine_runs` (all three
-follow `system`); numbers, checks and targets in `report` (over `metrics`); the table and plot in `output`.
-This module parses options and runs it all.
+follow `system`); which (system, precision, B) runs are made in `plan`; numbers, checks and targets in
+`report` (over `metrics`); the table and plot in `output`. This module parses options and runs it all.
 """
 
 from __future__ import annotations
