@@ -87,6 +87,10 @@ def test_parse_options():
     parser.add_function_arguments(bench.bench)
     assert parser.parse_args(["--batch_size", "1,4,8"]).batch_size == "1,4,8"
     assert bench.parse_batch_sizes(parser.parse_args(["--batch_size", "8"]).batch_size) == [8]
+    systems = "eager@float32:32,litgpt-sequential,thunder-torch@bfloat16/float32:64/128"
+    parsed = parser.parse_args(["--systems", systems, "--precisions", "float32,bfloat16"])
+    assert (parsed.systems, parsed.precisions) == (systems, "float32,bfloat16")  # kept verbatim, not YAML
+    assert parser.parse_args([]).precisions is None
 
 
 def test_eager_and_litgpt_baselines_end_to_end(tmp_path):
@@ -103,14 +107,15 @@ def test_eager_and_litgpt_baselines_end_to_end(tmp_path):
         assert m["output_tokens"] == 6 * workload["max_new_tokens_mean"] and m["requests"] == 6
         assert m["output_tokens_per_s"] > 0 and m["ttft_ms"]["n"] == 6 and m["ttft_ms"]["p99"] >= m["ttft_ms"]["p50"]
         assert m.get("token_check", {"mismatched_requests": 0})["mismatched_requests"] == 0
-    assert result["token_reference"] == "eager@B=1"
+    assert result["token_reference"] == {"float32": "eager@B=1"} and runs[("eager", 1)]["token_reference"]
     assert 0 < runs[("eager", 3)]["slot_occupancy"] <= 1 and runs[("eager", 1)]["slot_occupancy"] == 1
     assert runs[("eager", 3)]["decode"]["peak_matmul_fraction"] > 0
     assert "same-length prompts only" in runs[("litgpt-batched", 3)]["notes"][0]
-    assert set(result["speedup_vs_litgpt_sequential"]) == {"B=1", "B=3"}
+    assert set(result["speedup_vs_litgpt_sequential"]["float32"]) == {"B=1", "B=3"}
+    assert all(m["precision"] == "float32" for m in runs.values())
     saved = json.loads(out_json.read_text())
     assert {"meta", "workload", "peaks", "runs", "targets", "speedup_vs_litgpt_sequential", "skipped"} <= set(saved)
-    assert saved["meta"]["versions"]["torch"] and saved["peaks"]["matmul_flops_per_s"] > 0
+    assert saved["meta"]["versions"]["torch"] and saved["peaks"]["matmul_flops_per_s"]["float32"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -155,3 +160,116 @@ def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
     assert "speedup" in thunder and "vs_eager" in thunder["speedup"]
     if "thunder-nvfuser" in result["skipped"]:
         assert "unavailable" in result["skipped"]["thunder-nvfuser"]
+
+
+def test_system_restrictions_pick_precisions_and_batch_sizes():
+    from thunder_batch.bench.plan import SystemSpec, parse_precisions, plan_runs
+
+    specs = bench.parse_systems("litgpt-sequential, eager@bfloat16, thunder-torch@float32/bfloat16:32/8, eager:4")
+    assert specs == [SystemSpec("litgpt-sequential"), SystemSpec("eager", ("bfloat16",)),
+                     SystemSpec("thunder-torch", ("float32", "bfloat16"), (8, 32)), SystemSpec("eager", None, (4,))]
+    plan = plan_runs(specs, ["float32", "bfloat16"], [16, 64])
+    assert plan == [("litgpt-sequential", "float32", None), ("litgpt-sequential", "bfloat16", None),
+                    ("eager", "bfloat16", 16), ("eager", "bfloat16", 64),
+                    ("thunder-torch", "float32", 8), ("thunder-torch", "float32", 32),
+                    ("thunder-torch", "bfloat16", 8), ("thunder-torch", "bfloat16", 32),
+                    ("eager", "float32", 4), ("eager", "bfloat16", 4)]
+    assert parse_precisions(None, "bfloat16") == ["bfloat16"]
+    assert parse_precisions("bfloat16, float32,bfloat16", "float32") == ["bfloat16", "float32"]
+    for bad, match in (("eager@fp8", "unknown precision"), ("vllm@float32", "unknown system"),
+                       ("eager:0", "batch sizes"), ("litgpt-sequential:8", "no batch size")):
+        with pytest.raises(ValueError, match=match):
+            bench.parse_systems(bad)
+    with pytest.raises(ValueError, match="add them to --precisions"):
+        plan_runs(bench.parse_systems("eager@bfloat16"), ["float32"], [4])
+
+
+def fake_run(system, precision, B, tokens, wall_s, decode_s=None):
+    """A SystemRun whose requests (prompt 3) produced `tokens`; with decode_s, one full decode step per token."""
+    from thunder_batch.bench.engine_runs import StepRecord
+    from thunder_batch.bench.system import SystemRun
+
+    traces = []
+    for ids in tokens:
+        traces.append(RequestTrace(3, 0.0))
+        traces[-1].record(ids, 0.5)
+    steps = [] if decode_s is None else [StepRecord(1, ((3, 1),) * B, decode_s)] * len(tokens[0])
+    return SystemRun(system, B, traces, wall_s, {}, steps=steps, precision=precision)
+
+
+def test_two_precisions_ratios_token_checks_and_targets_from_fake_runs():
+    from thunder_batch.bench import report
+
+    fp32, bf16 = [[1, 2], [3, 4]], [[1, 5], [3, 6]]  # the precisions legitimately disagree
+    runs = [fake_run("litgpt-sequential", "float32", None, fp32, 1.0),  # 4 tok/s
+            fake_run("litgpt-sequential", "bfloat16", None, [[1, 5], [3, 7]], 0.5),  # 8 tok/s, one token off
+            fake_run("eager", "bfloat16", 2, bf16, 0.1), fake_run("thunder-torch", "bfloat16", 2, bf16, 0.05, 0.01),
+            fake_run("eager", "float32", 2, fp32, 0.2), fake_run("thunder-torch", "float32", 2, fp32, 0.125, 0.02)]
+    cost = ModelCost(block_linear_params=1000, lm_head_params=500, n_layer=1, attn_width=8, kv_width=8,
+                     weight_bytes=4000)
+    peaks = dict(matmul_flops_per_s={"float32": 1e6, "bfloat16": 4e6}, copy_bytes_per_s=1e9)
+    metrics = [report.run_metrics(r, cost, peaks, 100) for r in runs]
+    assert [m["precision"] for m in metrics] == [r.precision for r in runs]
+    for m in metrics:
+        peak = peaks["matmul_flops_per_s"][m["precision"]]
+        assert m["peak_matmul_fraction"] == pytest.approx(m["flops_per_s"] / peak)
+    step_flops = 2 * (cost.span_flops(3, 1) + 2 * cost.lm_head_params)  # two busy slots per decode step
+    assert metrics[3]["full_decode"]["peak_matmul_fraction"] == pytest.approx(step_flops / 0.01 / 4e6)
+    assert metrics[5]["full_decode"]["peak_matmul_fraction"] == pytest.approx(step_flops / 0.02 / 1e6)
+
+    assert report.check_all(runs, metrics) == {"float32": "eager@B=2", "bfloat16": "eager@B=2"}
+    checks = [m.get("token_check", {}).get("mismatched_requests") for m in metrics]
+    assert checks == [0, 1, None, 0, None, 0]  # each against its own precision's eager run
+    assert metrics[2]["token_reference"] and metrics[4]["token_reference"]
+
+    table, baseline = report.speedups(metrics)
+    assert baseline == dict(precision="bfloat16", output_tokens_per_s=8.0,
+                            by_precision={"float32": 4.0, "bfloat16": 8.0})
+    assert metrics[3]["speedup"] == pytest.approx(dict(vs_litgpt_sequential=10.0, vs_eager=2.0))
+    assert metrics[5]["speedup"] == pytest.approx(dict(vs_litgpt_sequential=4.0, vs_eager=1.6))
+    assert table == {"bfloat16": {"B=2": pytest.approx({"eager": 5.0, "thunder-torch": 10.0})},
+                     "float32": {"B=2": pytest.approx({"eager": 2.5, "thunder-torch": 4.0})}}
+
+    rows = {(t["target"], t["where"]): t for t in report.targets(metrics)}
+    best = "thunder-torch bfloat16 B=2 (best)"
+    assert rows[("output tok/s vs_litgpt_sequential", best)]["measured"] == pytest.approx(10.0)
+    assert rows[("output tok/s vs_litgpt_sequential", best)]["met"] is False  # goal 12x
+    assert rows[("output tok/s vs_eager", best)]["goal"] == 1.25 and rows[("output tok/s vs_eager", best)]["met"]
+    assert rows[("output tok/s vs_eager", "thunder-torch float32 B=2")]["measured"] == pytest.approx(1.6)
+    assert rows[("output tok/s vs_litgpt_batched", best)]["measured"] is None  # litgpt-batched did not run
+    decode = rows[("decode FLOP/s / peak matmul at its precision", best)]
+    assert decode["measured"] == pytest.approx(step_flops / 0.01 / 4e6) and decode["best"]
+    assert len(rows) == 7  # three ratios per (precision, B) with a Thunder run, one decode row
+
+
+def test_two_precision_run_end_to_end(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = bench.run_benchmark(tiny_gpt("llama"), num_requests=4, max_new_tokens=4, batch_size="1,2",
+                                 prefill_chunk=4, precisions="float32,bfloat16", output_json=out_json, plot=out_png,
+                                 systems="litgpt-sequential,eager@bfloat16,eager@float32:2", **QUICK)
+    runs = {(m["system"], m["precision"], m["batch_size"]): m for m in result["runs"]}
+    assert list(runs) == [("litgpt-sequential", "float32", None), ("litgpt-sequential", "bfloat16", None),
+                          ("eager", "bfloat16", 1), ("eager", "bfloat16", 2), ("eager", "float32", 2)]
+    peaks = result["peaks"]["matmul_flops_per_s"]
+    assert set(peaks) == {"float32", "bfloat16"} and min(peaks.values()) > 0
+    for (_, precision, _), m in runs.items():
+        assert m["peak_matmul_fraction"] == pytest.approx(m["flops_per_s"] / peaks[precision])
+        assert m["output_tokens"] == 4 * result["workload"]["max_new_tokens_mean"]
+    assert result["token_reference"] == {"float32": "eager@B=2", "bfloat16": "eager@B=1"}
+    # fp32: litgpt and the engine agree exactly; bf16 runs are checked only against bf16 runs
+    assert runs[("litgpt-sequential", "float32", None)]["token_check"]["mismatched_requests"] == 0
+    assert runs[("eager", "bfloat16", 2)]["token_check"]["checked_requests"] == 4
+    base = result["litgpt_sequential_baseline"]
+    seq = {p: runs[("litgpt-sequential", p, None)]["output_tokens_per_s"] for p in peaks}
+    assert base["by_precision"] == seq and base["output_tokens_per_s"] == max(seq.values())
+    eager = runs[("eager", "float32", 2)]
+    assert eager["speedup"]["vs_litgpt_sequential"] == pytest.approx(eager["output_tokens_per_s"] / max(seq.values()))
+    assert result["model"]["label"] == "model float32,bfloat16"
+    assert result["model"]["weight_bytes"]["bfloat16"] * 2 == result["model"]["weight_bytes"]["float32"]
+    saved = json.loads(out_json.read_text())
+    assert saved["litgpt_sequential_baseline"]["precision"] == base["precision"]
+    assert [m["precision"] for m in saved["runs"]] == [k[1] for k in runs]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "reference tokens per precision: float32: eager@B=2, bfloat16: eager@B=1" in printed
+    assert f"x seq: over litgpt-sequential {base['precision']}" in printed

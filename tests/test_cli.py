@@ -30,7 +30,8 @@ EXPECTED_FLAGS = {
     "serve": {**ENGINE_FLAGS, "compile": "thunder", "host": "127.0.0.1", "port": "8000"},
     "compile": {**ENGINE_FLAGS, "list": "False", "clear": "False"},
     "bench": {**MODEL_FLAGS, "batch_size": "8", "max_seq_length": "null", "prefill_chunk": "64", "cache_dir": "null",
-              "systems": "litgpt-sequential,litgpt-batched,eager,thunder-torch,thunder-torchcompile,thunder-nvfuser"},
+              "systems": "litgpt-sequential,litgpt-batched,eager,thunder-torch,thunder-torchcompile,thunder-nvfuser",
+              "precisions": "null"},
 }
 
 

@@ -1,8 +1,8 @@
 """`thunder-batch bench`: the engine against litgpt's own loops, same prompts, same weights, one run.
 
 Workloads live in `workloads`, litgpt's loops in `baselines`, the engine runs in `engine_runs` (all three
-follow `system`); numbers, checks and targets in `report` (over `metrics`); the table and plot in `output`.
-This module parses options and runs it all.
+follow `system`); which (system, precision, B) runs are made in `plan`; numbers, checks and targets in
+`report` (over `metrics`); the table and plot in `output`. This module parses options and runs it all.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Literal
 
-ALL_SYSTEMS = ("litgpt-sequential", "litgpt-batched", "eager", "thunder-torch", "thunder-torchcompile",
-               "thunder-nvfuser")
+from thunder_batch.bench.plan import ALL_SYSTEMS, parse_batch_sizes, parse_precisions, parse_systems, plan_runs
+
+__all__ = ["ALL_SYSTEMS", "bench", "parse_batch_sizes", "parse_precisions", "parse_systems", "run_benchmark"]
 
 
 def bench(
@@ -30,6 +31,7 @@ def bench(
     seed: int = 0,
     ignore_eos: bool = False,
     systems: str = ",".join(ALL_SYSTEMS),
+    precisions: str | None = None,
     device: str = "cpu",
     cache_dir: Path | None = None,
     warm_compile: bool = True,
@@ -56,7 +58,14 @@ def bench(
         seed: Seed of the workload (lengths, random tokens, prompt order, arrival times).
         ignore_eos: Generate exactly each request's token limit, ignoring the end-of-sequence token.
         systems: Comma-separated systems to run, from litgpt-sequential, litgpt-batched, eager,
-            thunder-torch, thunder-torchcompile, thunder-nvfuser.
+            thunder-torch, thunder-torchcompile, thunder-nvfuser. A system may be restricted to some
+            precisions and batch sizes: `name@precision[/precision]:B[/B]`, e.g. "thunder-torch@float32:32"
+            runs thunder-torch in float32 at B=32 only; a plain name runs every precision at every batch size.
+        precisions: Comma-separated precisions, e.g. "float32,bfloat16"; None: the model's --precision.
+            The checkpoint is loaded once in --precision; each other precision runs on a converted copy.
+            Peak matmul FLOP/s is measured per precision; litgpt-sequential's fastest precision is the
+            baseline of vs_litgpt_sequential, the other ratios and the greedy-token checks compare runs of
+            the same precision.
         device: "cpu" or "cuda".
         cache_dir: Compile cache root; None uses a fresh temporary dir so cold compile is a real trace.
         warm_compile: Also time a second engine loading the compiled programs from the compile cache.
@@ -74,32 +83,12 @@ def bench(
     checkpoint_dir = default_checkpoint_dir() if model.checkpoint_dir is None else model.checkpoint_dir
     gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=model.dtype, device=device)
     run_benchmark(gpt, tokenizer, prompt_style_for(config, checkpoint_dir),
-                  model_label=f"{Path(checkpoint_dir).name} {model.precision}", **options)
+                  model_label=Path(checkpoint_dir).name, **options)
 
 
 RUN_OPTIONS = ("dataset", "num_requests", "max_new_tokens", "input_len", "range_ratio", "batch_size", "prefill_chunk",
-               "max_seq_length", "request_rate", "seed", "ignore_eos", "systems", "cache_dir", "warm_compile",
-               "profile", "output_json", "plot", "progress")
-
-
-def parse_batch_sizes(value) -> list[int]:
-    """"1,4,8,16", 8 or [1, 4] -> sorted distinct positive ints."""
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    try:
-        sizes = sorted({int(str(v).strip()) for v in items if str(v).strip()})
-    except ValueError:
-        raise ValueError(f"batch_size must be an int or a comma-separated list of ints, got {value!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"batch sizes must be >= 1, got {value!r}")
-    return sizes
-
-
-def parse_systems(value) -> list[str]:
-    names = list(value) if isinstance(value, (list, tuple)) else [s.strip() for s in str(value).split(",") if s.strip()]
-    unknown = [n for n in names if n not in ALL_SYSTEMS]
-    if unknown or not names:
-        raise ValueError(f"unknown system(s) {unknown}; choose from {list(ALL_SYSTEMS)}")
-    return list(dict.fromkeys(names))
+               "max_seq_length", "request_rate", "seed", "ignore_eos", "systems", "precisions", "cache_dir",
+               "warm_compile", "profile", "output_json", "plot", "progress")
 
 
 def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
@@ -149,29 +138,47 @@ def make_workload(gpt, tokenizer, prompt_style, opts: dict):
 
 def run_benchmark(gpt, tokenizer=None, prompt_style=None, model_label: str = "model", **opts) -> dict:
     """Run the benchmark on a loaded litgpt GPT (tokenizer may be None with dataset="random"); returns the
-    result dict that --output-json writes. Options are `bench`'s arguments, minus model loading."""
+    result dict that --output-json writes. Options are `bench`'s arguments, minus model loading; the
+    model's label gets the run's precisions appended."""
     opts = {**DEFAULTS, **opts}
-    sizes, systems = parse_batch_sizes(opts["batch_size"]), parse_systems(opts["systems"])
+    precisions = parse_precisions(opts["precisions"], precision_of(gpt))
+    specs = parse_systems(opts["systems"])
+    plan = plan_runs(specs, precisions, parse_batch_sizes(opts["batch_size"]))
+    models = converted_models(gpt, precisions)
     workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, opts)
     ctx = make_context(gpt, tokenizer, opts, max_seq_length)
-    skipped = unavailable_systems(systems, online=not math.isinf(opts["request_rate"]))
-    peaks = measure_peaks(ctx.device, opts["matmul_n"], opts["copy_mb"])
+    skipped = unavailable_systems([s.name for s in specs], online=not math.isinf(opts["request_rate"]))
+    peaks = measure_peaks(ctx.device, precisions, opts["matmul_n"], opts["copy_mb"])
+    model_label = f"{model_label} {','.join(precisions)}"
     started = time.time()
     runs = []
-    for name in [s for s in systems if s not in skipped]:
-        for B in ([None] if name == "litgpt-sequential" else sizes):
-            runs.append(run_system(name, gpt, workload, B, ctx))
-            if opts["output_json"]:  # partial results survive an interrupted run
-                write_result(runs, gpt, workload, ctx, opts, peaks, skipped, model_label, started)
-    result = write_result(runs, gpt, workload, ctx, opts, peaks, skipped, model_label, started)
+    for name, precision, B in [p for p in plan if p[0] not in skipped]:
+        runs.append(run_system(name, models[precision], workload, B, ctx))
+        runs[-1].precision = precision
+        if opts["output_json"]:  # partial results survive an interrupted run
+            write_result(runs, models, workload, ctx, opts, peaks, skipped, model_label, started)
+    result = write_result(runs, models, workload, ctx, opts, peaks, skipped, model_label, started)
     emit(result, opts)
     return result
 
 
-def write_result(runs, gpt, workload, ctx, opts, peaks, skipped, model_label, started) -> dict:
+def precision_of(gpt) -> str:
+    return str(gpt.lm_head.weight.dtype).removeprefix("torch.")
+
+
+def converted_models(gpt, precisions: list[str]) -> dict:
+    """precision -> the loaded model in it: `gpt` itself for its own dtype, else a converted copy."""
+    import copy
+
+    import torch
+
+    return {p: gpt if p == precision_of(gpt) else copy.deepcopy(gpt).to(getattr(torch, p)) for p in precisions}
+
+
+def write_result(runs, models, workload, ctx, opts, peaks, skipped, model_label, started) -> dict:
     from thunder_batch.bench.report import machine_info, write_json
 
-    result = assemble(runs, gpt, workload, ctx, opts, peaks, skipped, model_label)
+    result = assemble(runs, models, workload, ctx, opts, peaks, skipped, model_label)
     result["meta"] = dict(machine_info(ctx.device), started_unix=started, duration_s=time.time() - started,
                           command=" ".join(sys.argv))
     if opts["output_json"]:
@@ -181,7 +188,7 @@ def write_result(runs, gpt, workload, ctx, opts, peaks, skipped, model_label, st
 
 DEFAULTS = dict(dataset="prompts", num_requests=32, max_new_tokens=64, input_len=128, range_ratio=0.5,
                 batch_size="8", prefill_chunk=64, max_seq_length=None, request_rate=math.inf, seed=0,
-                ignore_eos=False, systems=",".join(ALL_SYSTEMS), cache_dir=None, warm_compile=True,
+                ignore_eos=False, systems=",".join(ALL_SYSTEMS), precisions=None, cache_dir=None, warm_compile=True,
                 profile=False, output_json=None, plot=None, progress=True,
                 matmul_n=2048, copy_mb=256)  # sizes of the peak-rate measurements (small in tests)
 
@@ -197,35 +204,41 @@ def make_context(gpt, tokenizer, opts: dict, max_seq_length: int):
                         warm_compile=opts["warm_compile"], profile=opts["profile"])
 
 
-def measure_peaks(device, matmul_n: int = 2048, copy_mb: int = 256) -> dict:
+def measure_peaks(device, precisions: list[str], matmul_n: int = 2048, copy_mb: int = 256) -> dict:
+    """Peak matmul FLOP/s per precision (`matmul_flops_per_s[precision]`) and copy bandwidth, measured now."""
+    import torch
+
     from thunder_batch.bench.metrics import measure_copy_bandwidth, measure_peak_matmul_flops
 
-    return dict(matmul_flops_per_s=measure_peak_matmul_flops(device, n=matmul_n),
-                copy_bytes_per_s=measure_copy_bandwidth(device, nbytes=copy_mb * 2**20),
-                matmul_shape=f"{matmul_n}x{matmul_n}x{matmul_n} fp32", copy_bytes=copy_mb * 2**20)
+    matmul = {p: measure_peak_matmul_flops(device, n=matmul_n, dtype=getattr(torch, p)) for p in precisions}
+    return dict(matmul_flops_per_s=matmul, copy_bytes_per_s=measure_copy_bandwidth(device, nbytes=copy_mb * 2**20),
+                matmul_shape=f"{matmul_n}x{matmul_n}x{matmul_n}", copy_bytes=copy_mb * 2**20)
 
 
-def assemble(runs, gpt, workload, ctx, opts, peaks, skipped, model_label) -> dict:
+def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_label) -> dict:
     from thunder_batch.bench import report
     from thunder_batch.bench.metrics import ModelCost
     from thunder_batch.bench.workloads import describe
 
-    cost = ModelCost.of(gpt)
+    costs = {p: ModelCost.of(gpt) for p, gpt in models.items()}
     # Each decode step's attention reads every slot's whole K and V buffers (masked, not cut).
-    kv_bytes = 2 * cost.n_layer * cost.kv_width * (ctx.max_seq_length + ctx.prefill_chunk) \
-        * gpt.lm_head.weight.element_size()
-    metrics = [report.run_metrics(r, cost, peaks, kv_bytes) for r in runs]
+    kv_bytes = {p: 2 * c.n_layer * c.kv_width * (ctx.max_seq_length + ctx.prefill_chunk)
+                * models[p].lm_head.weight.element_size() for p, c in costs.items()}
+    metrics = [report.run_metrics(r, costs[r.precision], peaks, kv_bytes[r.precision]) for r in runs]
     reference = report.check_all(runs, metrics)
-    table = report.speedups(metrics)
+    table, baseline = report.speedups(metrics)
+    cost = next(iter(costs.values()))  # parameter counts do not depend on the precision
     mode = "offline" if math.isinf(opts["request_rate"]) else f"online {opts['request_rate']} req/s"
     label = f"{model_label}, {opts['dataset']}, {len(workload)} requests, {mode}"
     return dict(workload=dict(describe(workload), label=label, dataset=opts["dataset"], mode=mode,
                               max_seq_length=ctx.max_seq_length, prefill_chunk=ctx.prefill_chunk,
                               ignore_eos=ctx.ignore_eos, seed=opts["seed"]),
                 options={k: str(v) if isinstance(v, Path) else v for k, v in opts.items()}, peaks=peaks,
-                model=dict(label=model_label, block_linear_params=cost.block_linear_params,
-                           lm_head_params=cost.lm_head_params, weight_bytes=cost.weight_bytes),
+                model=dict(label=model_label, precisions=list(models), block_linear_params=cost.block_linear_params,
+                           lm_head_params=cost.lm_head_params,
+                           weight_bytes={p: c.weight_bytes for p, c in costs.items()}),
                 runs=metrics, token_reference=reference, speedup_vs_litgpt_sequential=table,
+                litgpt_sequential_baseline=baseline,
                 targets=report.targets(metrics), skipped=skipped)
 
 

@@ -152,7 +152,8 @@ def run_engine(gpt, workload: list[BenchRequest], system: str, batch_size: int, 
                  recompiled=stats["cache_misses"] > len(engine.config.step_widths))
     if ctx.profile:
         extra["profile"] = profile_decode_step(recorder.original, batch_size)
-    print(f"[bench] {system} B={batch_size}: {sum(len(t.token_ids) for t in traces)} tokens in {wall:.1f}s",
+    precision = str(gpt.lm_head.weight.dtype).removeprefix("torch.")
+    print(f"[bench] {system} {precision} B={batch_size}: {sum(len(t.token_ids) for t in traces)} tokens in {wall:.1f}s",
           file=sys.stderr)
     return SystemRun(system, batch_size, traces, wall, memory.as_dict(), compile_info, recorder.steps, notes, extra)
 

@@ -21,7 +21,7 @@ def _compile(m: dict) -> str:
 def _check(m: dict) -> str:
     check = m.get("token_check")
     if check is None:
-        return "ref"
+        return "ref" if m.get("token_reference") else "-"
     bad = check["mismatched_requests"]
     return "ok" if bad == 0 else f"{bad}/{check['checked_requests']} differ"
 
@@ -30,7 +30,8 @@ def results_table(result: dict):
     from rich.table import Table
 
     table = Table(title=f"thunder-batch bench: {result['workload']['label']}", show_lines=False)
-    columns = ["system", "B", "out tok/s", "total tok/s", "req/s", "TTFT ms mean/p50/p99", "TPOT ms", "ITL ms p50/p99",
+    columns = ["system", "prec", "B", "out tok/s", "total tok/s", "req/s", "TTFT ms mean/p50/p99", "TPOT ms",
+               "ITL ms p50/p99",
                "compile s cold/warm", "peak RSS MB", "occup.", "FLOP/s % peak", "x seq", "greedy tokens"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("system", "greedy tokens") else "right")
@@ -38,7 +39,8 @@ def results_table(result: dict):
         ttft, itl = m["ttft_ms"], m["itl_ms"]
         occ = m.get("slot_occupancy")
         table.add_row(
-            m["system"], str(m["batch_size"] or 1), _f(m["output_tokens_per_s"]), _f(m["total_tokens_per_s"]),
+            m["system"], m["precision"], str(m["batch_size"] or 1), _f(m["output_tokens_per_s"]),
+            _f(m["total_tokens_per_s"]),
             _f(m["requests_per_s"], 2), f"{_f(ttft['mean'], 0)}/{_f(ttft['p50'], 0)}/{_f(ttft['p99'], 0)}",
             _f(m["tpot_ms"]["mean"]), f"{_f(itl['p50'])}/{_f(itl['p99'])}", _compile(m),
             _f(m["memory"]["peak_rss_mb"], 0), "-" if occ is None else f"{100 * occ:.0f}%",
@@ -49,7 +51,7 @@ def results_table(result: dict):
 def targets_table(result: dict):
     from rich.table import Table
 
-    table = Table(title="targets (best Thunder system per batch size)")
+    table = Table(title="targets (best Thunder system per precision and batch size; best: fastest Thunder run)")
     for col in ("target", "where", "goal", "measured", "result"):
         table.add_column(col)
     for t in result["targets"]:
@@ -62,14 +64,14 @@ def decode_table(result: dict):
     from rich.table import Table
 
     table = Table(title="decode steps (width 1) of engine runs")
-    for col in ("system", "B", "steps", "ms/step", "GFLOP/s", "% peak matmul", "GB/s", "% copy bw"):
+    for col in ("system", "prec", "B", "steps", "ms/step", "GFLOP/s", "% peak matmul", "GB/s", "% copy bw"):
         table.add_column(col, justify="right")
     for m in result["runs"]:
         for key in ("full_decode", "decode"):
             d = m.get(key)
             if d:
                 label = m["system"] + (" (all slots busy)" if key == "full_decode" else "")
-                table.add_row(label, str(m["batch_size"]), str(d["steps"]), _f(d["mean_step_ms"]),
+                table.add_row(label, m["precision"], str(m["batch_size"]), str(d["steps"]), _f(d["mean_step_ms"]),
                               _f(d["flops_per_s"] / 1e9), _f(100 * d["peak_matmul_fraction"]),
                               _f(d["bytes_per_s"] / 1e9), _f(100 * d["copy_bandwidth_fraction"]))
                 break
@@ -84,19 +86,25 @@ def print_report(result: dict, file=None) -> None:
     console.print(decode_table(result))
     console.print(targets_table(result))
     peaks = result["peaks"]
-    console.print(f"peak matmul {peaks['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, copy bandwidth "
-                  f"{peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s (measured in this run); reference tokens: "
-                  f"{result['token_reference']}")
+    matmul = ", ".join(f"{p} {v / 1e9:.1f}" for p, v in peaks["matmul_flops_per_s"].items())
+    refs = ", ".join(f"{p}: {ref}" for p, ref in result["token_reference"].items()) or "none"
+    console.print(f"peak matmul GFLOP/s {matmul}; copy bandwidth {peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s "
+                  f"(measured in this run); reference tokens per precision: {refs}")
+    base = result.get("litgpt_sequential_baseline")
+    if base:
+        console.print(f"x seq: over litgpt-sequential {base['precision']} ({base['output_tokens_per_s']:.1f} tok/s, "
+                      "its fastest precision)")
     for m in result["runs"]:
         for note in m.get("notes", []):
-            console.print(f"note ({m['system']} B={m['batch_size']}): {note}")
+            console.print(f"note ({m['system']} {m['precision']} B={m['batch_size']}): {note}")
     for name, why in result.get("skipped", {}).items():
         console.print(f"skipped {name}: {why}")
     for m in result["runs"]:
         if "profile" in m:
             prof = m["profile"]
             ops = ", ".join(f"{o['op']} {100 * o['fraction']:.0f}%" for o in prof["top_ops"][:6])
-            console.print(f"profile {m['system']} B={m['batch_size']} decode step {prof['step_ms']:.0f} ms: {ops}")
+            console.print(f"profile {m['system']} {m['precision']} B={m['batch_size']} decode step "
+                          f"{prof['step_ms']:.0f} ms: {ops}")
 
 
 def plot(result: dict, path) -> None:
@@ -108,14 +116,15 @@ def plot(result: dict, path) -> None:
 
     runs = result["runs"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for system in dict.fromkeys(m["system"] for m in runs):
-        pts = sorted((m["batch_size"], m["output_tokens_per_s"]) for m in runs
-                     if m["system"] == system and m["batch_size"] is not None)
+    for system, precision in dict.fromkeys((m["system"], m["precision"]) for m in runs):
+        mine = [m for m in runs if (m["system"], m["precision"]) == (system, precision)]
+        pts = sorted((m["batch_size"], m["output_tokens_per_s"]) for m in mine if m["batch_size"] is not None)
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=system)
+            ax.plot(*zip(*pts), marker="o", label=f"{system} {precision}")
         else:
-            rate = next(m["output_tokens_per_s"] for m in runs if m["system"] == system)
-            ax.axhline(rate, linestyle="--", color="gray", label=f"{system} (one at a time)")
+            style = "--" if precision == runs[0]["precision"] else ":"
+            ax.axhline(mine[0]["output_tokens_per_s"], linestyle=style, color="gray",
+                       label=f"{system} {precision} (one at a time)")
     ax.set(xlabel="batch size (slots)", ylabel="output tokens/s", title="throughput")
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=8)
@@ -123,7 +132,8 @@ def plot(result: dict, path) -> None:
     for m in runs:
         if (m["batch_size"] or largest) == largest and m.get("ttft_samples_ms"):
             xs = sorted(m["ttft_samples_ms"])
-            bx.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=m["system"])
+            bx.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                    label=f"{m['system']} {m['precision']}")
     bx.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title=f"TTFT distribution (B={largest})")
     bx.legend(fontsize=8)
     fig.tight_layout()

@@ -14,7 +14,8 @@ from thunder_batch.bench.system import SystemRun
 from thunder_batch.versions import package_versions
 
 SEQUENTIAL, BATCHED, EAGER = "litgpt-sequential", "litgpt-batched", "eager"
-TARGETS = dict(vs_litgpt_sequential=12.0, vs_litgpt_batched=2.0, vs_eager=1.2, decode_peak_fraction_b32=0.4)
+TARGETS = dict(vs_litgpt_sequential=12.0, vs_litgpt_batched=2.0, vs_eager=1.25, decode_peak_fraction=0.4)
+RATIOS = ("vs_litgpt_sequential", "vs_litgpt_batched", "vs_eager")
 
 
 def is_thunder(system: str) -> bool:
@@ -22,10 +23,11 @@ def is_thunder(system: str) -> bool:
 
 
 def step_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_slot_step: float) -> dict:
-    """Occupancy and decode-step FLOP/s and bandwidth from an engine run's step records."""
+    """Occupancy and decode-step FLOP/s and bandwidth from an engine run's step records (FLOP/s as a
+    fraction of the peak matmul at the run's own precision)."""
     if not run.steps:
         return {}
-    B = run.batch_size
+    B, peak = run.batch_size, peaks["matmul_flops_per_s"][run.precision]
     decode = [s for s in run.steps if s.width == 1]
     full = [s for s in decode if len(s.spans) == B]
     out = dict(steps=len(run.steps), prefill_steps=len(run.steps) - len(decode), decode_steps=len(decode),
@@ -37,8 +39,7 @@ def step_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_slot
         flops = sum(cost.span_flops(p, n) + 2 * cost.lm_head_params for s in steps for p, n in s.spans)
         nbytes = len(steps) * (cost.weight_bytes + B * kv_bytes_per_slot_step)
         out[name] = dict(steps=len(steps), mean_step_ms=1000 * seconds / len(steps), flops_per_s=flops / seconds,
-                         peak_matmul_fraction=flops / seconds / peaks["matmul_flops_per_s"],
-                         bytes_per_s=nbytes / seconds,
+                         peak_matmul_fraction=flops / seconds / peak, bytes_per_s=nbytes / seconds,
                          copy_bandwidth_fraction=nbytes / seconds / peaks["copy_bytes_per_s"])
     return out
 
@@ -46,9 +47,10 @@ def step_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_slot
 def run_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_slot_step: float) -> dict:
     throughput = throughput_metrics(run.traces, run.wall_s)
     flops = useful_flops(cost, run.traces)
-    return dict(system=run.system, batch_size=run.batch_size, **throughput, **latency_metrics(run.traces),
-                useful_flops=flops, flops_per_s=flops / max(run.wall_s, 1e-9),
-                peak_matmul_fraction=flops / max(run.wall_s, 1e-9) / peaks["matmul_flops_per_s"],
+    rate = flops / max(run.wall_s, 1e-9)
+    return dict(system=run.system, precision=run.precision, batch_size=run.batch_size, **throughput,
+                **latency_metrics(run.traces), useful_flops=flops, flops_per_s=rate,
+                peak_matmul_fraction=rate / peaks["matmul_flops_per_s"][run.precision],
                 ttft_samples_ms=[1000 * t.ttft for t in run.traces if t.ttft is not None],
                 compile=run.compile, memory=run.memory, **step_metrics(run, cost, peaks, kv_bytes_per_slot_step),
                 notes=run.notes, **run.extra)
@@ -60,66 +62,91 @@ def reference_run(runs: list[SystemRun]) -> SystemRun | None:
     return engine_runs[0] if engine_runs else None
 
 
-def check_all(runs: list[SystemRun], metrics: list[dict]) -> str | None:
-    """Add `token_check` to each run's metrics (in place); returns the reference's label."""
-    ref = reference_run(runs)
-    if ref is None:
-        return None
-    expected = [t.token_ids for t in ref.traces]
-    for run, m in zip(runs, metrics):
-        if run is not ref:
-            m["token_check"] = compare_tokens(expected, [t.token_ids for t in run.traces])
-    return f"{ref.system}@B={ref.batch_size}"
+def check_all(runs: list[SystemRun], metrics: list[dict]) -> dict[str, str]:
+    """Per precision, check every run's greedy tokens against that precision's reference run: adds
+    `token_check` (or `token_reference`) to the metrics in place; returns precision -> the reference's label.
+    Runs of different precisions are never compared (bf16 and fp32 legitimately pick different tokens)."""
+    references = {}
+    for precision in dict.fromkeys(r.precision for r in runs):
+        same = [(r, m) for r, m in zip(runs, metrics) if r.precision == precision]
+        ref = reference_run([r for r, _ in same])
+        if ref is None:
+            continue
+        expected = [t.token_ids for t in ref.traces]
+        for run, m in same:
+            if run is ref:
+                m["token_reference"] = True
+            else:
+                m["token_check"] = compare_tokens(expected, [t.token_ids for t in run.traces])
+        references[precision] = f"{ref.system}@B={ref.batch_size}"
+    return references
 
 
-def _rate(metrics: list[dict], system: str, batch_size: int | None) -> float | None:
+def _rate(metrics: list[dict], system: str, batch_size: int | None, precision: str) -> float | None:
     for m in metrics:
-        if m["system"] == system and m["batch_size"] == batch_size:
+        if m["system"] == system and m["batch_size"] == batch_size and m["precision"] == precision:
             return m["output_tokens_per_s"]
     return None
 
 
-def speedups(metrics: list[dict]) -> dict:
-    """Per run: output tokens/s over litgpt-sequential, litgpt-batched and eager at the same B."""
-    seq = _rate(metrics, SEQUENTIAL, None)
+def sequential_baseline(metrics: list[dict]) -> dict | None:
+    """The fastest litgpt-sequential run over all precisions: the baseline of vs_litgpt_sequential."""
+    seq = [m for m in metrics if m["system"] == SEQUENTIAL]
+    if not seq:
+        return None
+    best = max(seq, key=lambda m: m["output_tokens_per_s"])
+    return dict(precision=best["precision"], output_tokens_per_s=best["output_tokens_per_s"],
+                by_precision={m["precision"]: m["output_tokens_per_s"] for m in seq})
+
+
+def speedups(metrics: list[dict]) -> tuple[dict, dict | None]:
+    """Per run (in place, `speedup`): output tokens/s over the fastest litgpt-sequential of any precision,
+    and over litgpt-batched and eager at the same B and precision. Returns ({precision: {"B=..": {system:
+    vs_litgpt_sequential}}}, the sequential baseline)."""
+    baseline = sequential_baseline(metrics)
     table = {}
     for m in metrics:
         if m["batch_size"] is None:
             continue
-        rate, B = m["output_tokens_per_s"], m["batch_size"]
-        bases = dict(vs_litgpt_sequential=seq, vs_litgpt_batched=_rate(metrics, BATCHED, B),
-                     vs_eager=_rate(metrics, EAGER, B))
+        rate, B, p = m["output_tokens_per_s"], m["batch_size"], m["precision"]
+        bases = dict(vs_litgpt_sequential=baseline and baseline["output_tokens_per_s"],
+                     vs_litgpt_batched=_rate(metrics, BATCHED, B, p), vs_eager=_rate(metrics, EAGER, B, p))
         ratios = {key: rate / base for key, base in bases.items() if base}
         m["speedup"] = ratios
-        table.setdefault(f"B={B}", {})[m["system"]] = ratios.get("vs_litgpt_sequential")
-    return table
+        table.setdefault(p, {}).setdefault(f"B={B}", {})[m["system"]] = ratios.get("vs_litgpt_sequential")
+    return table, baseline
 
 
-def target_row(name: str, target: float, measured: float | None, where: str) -> dict:
+def target_row(name: str, target: float, measured: float | None, where: str, best: bool = False) -> dict:
     if measured is None:
-        return dict(target=name, where=where, goal=target, measured=None, met=None, note="not measured")
+        return dict(target=name, where=where, goal=target, measured=None, met=None, note="not measured", best=best)
     met = measured >= target
     note = "met" if met else f"missed by {100 * (1 - measured / target):.1f}% ({measured:.3f} vs {target})"
-    return dict(target=name, where=where, goal=target, measured=measured, met=met, note=note)
+    return dict(target=name, where=where, goal=target, measured=measured, met=met, note=note, best=best)
+
+
+def _where(m: dict) -> str:
+    return f"{m['system']} {m['precision']} B={m['batch_size']}"
 
 
 def targets(metrics: list[dict]) -> list[dict]:
-    """The performance targets (docs/DESIGN.md), for the best Thunder system at each batch size."""
+    """The performance targets (docs/DESIGN.md): the ratios for the best Thunder system at each (precision, B),
+    and decode FLOP/s over the peak matmul at its precision for the best Thunder run of all (`best`: True)."""
+    thunder = [m for m in metrics if is_thunder(m["system"])]
+    name = "decode FLOP/s / peak matmul at its precision"
+    if not thunder:
+        return [target_row(name, TARGETS["decode_peak_fraction"], None, "no Thunder run")]
+    best = max(thunder, key=lambda m: m["output_tokens_per_s"])
+    order = list(dict.fromkeys(m["precision"] for m in metrics))
     rows = []
-    for B in sorted({m["batch_size"] for m in metrics if m["batch_size"] is not None}):
-        thunder = [m for m in metrics if m["batch_size"] == B and is_thunder(m["system"])]
-        if not thunder:
-            continue
-        best = max(thunder, key=lambda m: m["output_tokens_per_s"])
-        where = f"{best['system']} B={B}"
-        for key in ("vs_litgpt_sequential", "vs_litgpt_batched", "vs_eager"):
-            rows.append(target_row(f"output tok/s {key}", TARGETS[key], best["speedup"].get(key), where))
-        if B == 32:
-            frac = best.get("full_decode", best.get("decode", {})).get("peak_matmul_fraction")
-            rows.append(target_row("decode FLOP/s / peak matmul", TARGETS["decode_peak_fraction_b32"], frac, where))
-    if not any(m["batch_size"] == 32 for m in metrics):
-        target = TARGETS["decode_peak_fraction_b32"]
-        rows.append(target_row("decode FLOP/s / peak matmul", target, None, "B=32 not run"))
+    for p, B in sorted({(m["precision"], m["batch_size"]) for m in thunder}, key=lambda k: (order.index(k[0]), k[1])):
+        top = max((m for m in thunder if (m["precision"], m["batch_size"]) == (p, B)),
+                  key=lambda m: m["output_tokens_per_s"])
+        where = _where(top) + (" (best)" if top is best else "")
+        rows += [target_row(f"output tok/s {key}", TARGETS[key], top["speedup"].get(key), where, top is best)
+                 for key in RATIOS]
+    frac = best.get("full_decode", best.get("decode", {})).get("peak_matmul_fraction")
+    rows.append(target_row(name, TARGETS["decode_peak_fraction"], frac, _where(best) + " (best)", True))
     return rows
 
 

@@ -49,6 +49,7 @@ class SystemRun:
     steps: list = field(default_factory=list)  # StepRecord per engine step (engine systems only)
     notes: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    precision: str = "float32"  # of the weights and KV cache (set by the benchmark loop)
 
 
 def wait_until(deadline: float) -> None:
