@@ -108,6 +108,18 @@ def tiled_linear(x, w, tile: int = 32):
     return torch.cat([F.linear(x[i:i + tile], w) for i in range(0, x.shape[0], tile)])
 
 
+def use_tiled_linears() -> None:
+    """Route every F.linear (nn.Linear included) through tiled_linear, for the --tiled experiment."""
+    plain = F.linear
+
+    def linear(x, w, b=None):
+        flat = x.reshape(-1, x.shape[-1])  # [M, K]
+        out = torch.cat([plain(flat[i:i + 32], w, b) for i in range(0, flat.shape[0], 32)])  # [M, N]
+        return out.reshape(*x.shape[:-1], w.shape[0])
+
+    F.linear = linear
+
+
 def tiling_cost(dtype, m: int = 256, reps: int = 20) -> str:
     """Min ms of F.linear vs tiled_linear for the MLP's fc shape at M rows, and whether tiling is M-invariant."""
     torch.manual_seed(2)
@@ -210,7 +222,10 @@ def main() -> None:
     ap.add_argument("--precisions", default="bfloat16,float32")
     ap.add_argument("--alone_b", type=int, default=1, help="also run each request alone in the B-slot engine")
     ap.add_argument("--probe", type=int, default=1)
+    ap.add_argument("--tiled", type=int, default=0, help="run every linear in blocks of <= 32 rows")
     args = ap.parse_args()
+    if args.tiled:
+        use_tiled_linears()
     flags = subprocess.run("lscpu | grep Flags", shell=True, capture_output=True, text=True).stdout.strip()
     print(f"# torch {torch.__version__}, {platform.machine()}, threads {torch.get_num_threads()}\n# {flags}")
     print(f"# {vars(args)}")
