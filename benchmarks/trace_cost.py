@@ -31,7 +31,8 @@ engine = Engine(litgpt.GPT(cfg).eval(), config)
 per_width = engine.warmup()
 stats = engine.stats()
 print(json.dumps(dict(n_layer=n_layer, batch_size=batch, per_width_s={w: round(s, 2) for w, s in per_width.items()},
-                      traced=stats["traced"], programs=stats["programs"])))
+                      traced=stats["traced"], programs=stats["programs"],
+                      seconds_by_piece=stats["compile_seconds_by_piece"])))
 """
 
 

@@ -200,7 +200,8 @@ class Engine:
     def stats(self) -> dict:
         """Counters: steps, tokens, requests; `cache_misses` (step widths compiled: one per width,
         whatever the traffic), `programs` (per piece: prefix, block, head variants),
-        `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache)."""
+        `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache), and
+        `compile_seconds` (per piece: `compile_seconds_by_piece`)."""
         return dict(self._counters, **program_stats(self.runner.step_fn), step_widths=list(self.config.step_widths),
                     running=self.scheduler.num_running(), waiting=len(self.scheduler.waiting))
 

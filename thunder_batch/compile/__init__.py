@@ -166,7 +166,7 @@ def program_stats(fn: Callable) -> dict:
     if isinstance(fn, LayeredProgram):
         return fn.stats()
     stats = dict(cache_misses=0, cache_hits=0, programs={}, traced=0, not_stored=0, disk_cache_hits=0,
-                 compile_seconds=0.0)
+                 compile_seconds=0.0, compile_seconds_by_piece={})
     if is_compiled(fn):  # trace="step": one Thunder trace per width
         thunder = import_thunder()
         misses = thunder.cache_misses(fn)

@@ -27,11 +27,11 @@ LOAD_RTOL, LOAD_ATOL = 1e-4, 1e-5
 class _Width:
     """The programs of one step width."""
 
-    def __init__(self) -> None:
+    def __init__(self, ignored: set) -> None:
         self.prefix: Callable | None = None
         self.blocks: dict[int, Callable] = {}
         self.heads: dict[str, Callable] = {}
-        self.shared = SharedTraces()
+        self.shared = SharedTraces(ignored)
         self.blocks_settled = False  # every layer has its program (and they are stored)
 
 
@@ -46,16 +46,21 @@ class LayeredProgram:
         self.program, self.config, self.options, self.store = program, config, options, store
         self._describe_options = describe_options
         self._widths: dict[int, _Width] = {}
+        # Checked values two identical block traces showed not to matter (litgpt's block_idx): a
+        # property of the block's code, learned at the first width and used at every width.
+        self.ignored: set = set()
         self.traced: Counter = Counter()  # piece kind -> programs traced in this process
         self.loaded: Counter = Counter()  # piece kind -> programs loaded from the compile cache
         self.pieces: list[TracedPiece] = []  # every distinct program made, in order
         self.calls = 0
-        self.compile_seconds = 0.0
+        self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
 
     @torch.no_grad()
     def __call__(self, idx, input_pos, last_idx, temperature, top_k, top_p, seed, head: str = "filtered"):
         self.calls += 1
-        width = self._widths.setdefault(int(idx.shape[1]), _Width())
+        width = self._widths.get(int(idx.shape[1]))
+        if width is None:
+            width = self._widths[int(idx.shape[1])] = _Width(self.ignored)
         x, cos, sin, mask_global, mask_window = self._prefix(width, (idx, input_pos))
         for i in range(len(self.program.blocks)):
             x = self._block(width, i, (x, cos, sin, mask_global, mask_window, input_pos))
@@ -99,7 +104,7 @@ class LayeredProgram:
             width.blocks[i] = kept.bind(module)
             return out
         finally:
-            self.compile_seconds += time.perf_counter() - start
+            self.seconds["block"] += time.perf_counter() - start
 
     def _first_call(self, shared: SharedTraces, piece: TracedPiece, module, args):
         """Run a shared piece on a new layer; a stored one is checked first (None: it failed)."""
@@ -133,7 +138,7 @@ class LayeredProgram:
                 self._save(key, piece)
             return piece.bind(module), out
         finally:
-            self.compile_seconds += time.perf_counter() - start
+            self.seconds[kind] += time.perf_counter() - start
 
     def _count(self, new: bool, kind: str, piece: TracedPiece, traced: bool) -> None:
         if new:
@@ -169,11 +174,11 @@ class LayeredProgram:
         layout = self.store.load(self._key("layers", "", args))
         if layout is None:
             return
-        width.shared.ignored = paths_from_json(layout["ignored"])
+        width.shared.ignored |= paths_from_json(layout["ignored"])
         for digest in layout["blocks"]:
             piece = self._load(self._key("block", digest, args))
             if piece is None:
-                width.shared = SharedTraces()  # all or nothing: trace this width's blocks afresh
+                width.shared = SharedTraces(self.ignored)  # all or nothing: trace this width's blocks afresh
                 return
             width.shared.traces.append(piece)
             self._count(True, "block", piece, traced=False)
@@ -202,7 +207,8 @@ class LayeredProgram:
         return dict(cache_misses=len(self._widths), cache_hits=max(self.calls - len(self._widths), 0),
                     programs=dict(programs), traced=sum(self.traced.values()),
                     not_stored=sum(piece.record is None for piece in self.pieces if piece.jitted is not None),
-                    disk_cache_hits=sum(self.loaded.values()), compile_seconds=self.compile_seconds)
+                    disk_cache_hits=sum(self.loaded.values()), compile_seconds=sum(self.seconds.values()),
+                    compile_seconds_by_piece={kind: round(s, 3) for kind, s in self.seconds.items()})
 
     def execution_traces(self) -> list:
         """Thunder's final execution traces of every piece traced in this process."""

@@ -88,8 +88,9 @@ class SharedTraces:
     """
 
     def __init__(self, ignored: set[Path] | None = None) -> None:
+        """ignored: the set of values found not to matter, shared (and grown) with other widths."""
         self.traces: list[TracedPiece] = []
-        self.ignored: set[Path] = set(ignored or ())
+        self.ignored: set[Path] = set() if ignored is None else ignored
 
     def find(self, module: nn.Module) -> TracedPiece | None:
         """The first trace whose checks `module` passes, apart from ignored values."""
