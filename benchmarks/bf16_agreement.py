@@ -45,8 +45,9 @@ def litgpt_greedy(gpt, prompt: list[int], new: int) -> list[int]:
     from litgpt.generate.base import generate_fn
 
     gpt.set_kv_cache(batch_size=1, max_seq_length=len(prompt) + new)
-    out = generate_fn(gpt, torch.tensor(prompt), len(prompt) + new, temperature=0.0,
-                      include_prompt=False, include_eos=False)
+    out = generate_fn(
+        gpt, torch.tensor(prompt), len(prompt) + new, temperature=0.0, include_prompt=False, include_eos=False
+    )
     return [int(t) for t in out]
 
 
@@ -80,21 +81,34 @@ def run_precision(name: str, args) -> list[dict]:
     gpt, _, _ = load_checkpoint(default_checkpoint_dir(), dtype=dtype)
     oracle = [litgpt_greedy(gpt, p, args.new) for p in prompts]
     t4 = time.perf_counter()
-    print(f"# {name}: batched {t1 - t0:.0f} s, alone in B={args.batch} {t2 - t1:.0f} s, "
-          f"B=1 {t3 - t2:.0f} s, litgpt {t4 - t3:.0f} s", flush=True)
+    print(
+        f"# {name}: batched {t1 - t0:.0f} s, alone in B={args.batch} {t2 - t1:.0f} s, "
+        f"B=1 {t3 - t2:.0f} s, litgpt {t4 - t3:.0f} s",
+        flush=True,
+    )
     rows = []
     for i, p in enumerate(prompts):
-        rows.append(dict(prompt_len=len(p), litgpt=first_diff(batched[i], oracle[i]),
-                         alone1=first_diff(batched[i], alone_1[i]),
-                         aloneB=first_diff(batched[i], alone_b[i]) if alone_b else "-",
-                         b1_vs_litgpt=first_diff(alone_1[i], oracle[i])))
+        rows.append(
+            dict(
+                prompt_len=len(p),
+                litgpt=first_diff(batched[i], oracle[i]),
+                alone1=first_diff(batched[i], alone_1[i]),
+                aloneB=first_diff(batched[i], alone_b[i]) if alone_b else "-",
+                b1_vs_litgpt=first_diff(alone_1[i], oracle[i]),
+            )
+        )
     return rows
 
 
 def print_table(name: str, rows: list[dict], batch: int) -> None:
     cols = ["prompt_len", "litgpt", "alone1", "aloneB", "b1_vs_litgpt"]
-    heads = ["prompt tokens", f"B={batch} vs litgpt", f"B={batch} vs B=1", f"B={batch} vs alone in B={batch}",
-             "B=1 vs litgpt"]
+    heads = [
+        "prompt tokens",
+        f"B={batch} vs litgpt",
+        f"B={batch} vs B=1",
+        f"B={batch} vs alone in B={batch}",
+        "B=1 vs litgpt",
+    ]
     print(f"\n### {name}\n\n| # | " + " | ".join(heads) + " |\n" + "|---" * (len(cols) + 1) + "|")
     for i, r in enumerate(rows):
         print(f"| {i} | " + " | ".join(str(r[c]) for c in cols) + " |")
@@ -105,7 +119,7 @@ def print_table(name: str, rows: list[dict], batch: int) -> None:
 def tiled_linear(x, w, tile: int = 32):
     """F.linear over fixed blocks of <= `tile` rows: each row then sees the same kernel whatever M is
     (on this CPU bf16 rows are M-invariant up to M = 32). x: [M, K], w: [N, K] -> [M, N]."""
-    return torch.cat([F.linear(x[i:i + tile], w) for i in range(0, x.shape[0], tile)])
+    return torch.cat([F.linear(x[i : i + tile], w) for i in range(0, x.shape[0], tile)])
 
 
 def use_tiled_linears() -> None:
@@ -114,7 +128,7 @@ def use_tiled_linears() -> None:
 
     def linear(x, w, b=None):
         flat = x.reshape(-1, x.shape[-1])  # [M, K]
-        out = torch.cat([plain(flat[i:i + 32], w, b) for i in range(0, flat.shape[0], 32)])  # [M, N]
+        out = torch.cat([plain(flat[i : i + 32], w, b) for i in range(0, flat.shape[0], 32)])  # [M, N]
         return out.reshape(*x.shape[:-1], w.shape[0])
 
     F.linear = linear
@@ -133,7 +147,7 @@ def tiling_cost(dtype, m: int = 256, reps: int = 20) -> str:
             fn(x, w)
             best = min(best, time.perf_counter() - start)
         times.append(best * 1e3)
-    alone = torch.cat([F.linear(x[i:i + 1], w) for i in range(m)])  # [M, N]
+    alone = torch.cat([F.linear(x[i : i + 1], w) for i in range(m)])  # [M, N]
     same = torch.equal(tiled_linear(x, w), alone)
     return f"M={m}: F.linear {times[0]:.2f} ms, 32-row tiles {times[1]:.2f} ms, tiles == rows alone: {same}"
 
@@ -141,15 +155,20 @@ def tiling_cost(dtype, m: int = 256, reps: int = 20) -> str:
 def linear_row_invariance(dtype, ms=(1, 2, 8, 16, 32, 64, 128, 256, 512)) -> dict:
     """For the model's linear shapes: max |F.linear(x)[i] - F.linear(x[i:i+1])| over rows, per M."""
     torch.manual_seed(0)
-    shapes = {"qkv": (576, 960), "proj": (576, 576), "fc": (576, 1536), "mlp.proj": (1536, 576),
-              "lm_head": (576, 49152)}
+    shapes = {
+        "qkv": (576, 960),
+        "proj": (576, 576),
+        "fc": (576, 1536),
+        "mlp.proj": (1536, 576),
+        "lm_head": (576, 49152),
+    }
     out = {}
     for label, (k, n) in shapes.items():
         w = (torch.randn(n, k) / k**0.5).to(dtype)  # [N, K]
         for m in ms:
             x = torch.randn(m, k).to(dtype)  # [M, K]
             full = F.linear(x, w)  # [M, N]
-            rows = torch.cat([F.linear(x[i:i + 1], w) for i in range(m)])  # [M, N]
+            rows = torch.cat([F.linear(x[i : i + 1], w) for i in range(m)])  # [M, N]
             out[(label, m)] = (full.float() - rows.float()).abs().max().item()
     return out
 
@@ -189,8 +208,11 @@ def ops_that_change(dtype, rows: int = 8, t: int = 32) -> tuple[list[str], list[
     gpt(batch[:1])
     gpt(batch)
     diff = {n: (a[1].float() - b[1].float()).abs().max().item() for n, (a, b) in seen.items()}
-    culprits = [f"{n} ({diff[n]:.3g})" for n, (a, b) in seen.items()
-                if n not in blocks and torch.equal(a[0], b[0]) and diff[n] > 0]
+    culprits = [
+        f"{n} ({diff[n]:.3g})"
+        for n, (a, b) in seen.items()
+        if n not in blocks and torch.equal(a[0], b[0]) and diff[n] > 0
+    ]
     return culprits, [diff[f"transformer.h.{i}"] for i in range(gpt.config.n_layer)]
 
 
@@ -207,9 +229,12 @@ def probe() -> None:
         print(f"\nfc linear, {name}: {tiling_cost(dtype)}")
         for rows, t in ((8, 32), (8, 1)):
             ops, layers = ops_that_change(dtype, rows, t)
-            print(f"\nlitgpt forward, row 0 alone [1, {t}] vs in [{rows}, {t}], {name}: modules with an identical "
-                  f"row-0 input and a different output (max abs diff): {ops[:6]}; row-0 max abs diff after "
-                  f"each block: {' '.join(f'{d:.2g}' for d in layers)}", flush=True)
+            print(
+                f"\nlitgpt forward, row 0 alone [1, {t}] vs in [{rows}, {t}], {name}: modules with an identical "
+                f"row-0 input and a different output (max abs diff): {ops[:6]}; row-0 max abs diff after "
+                f"each block: {' '.join(f'{d:.2g}' for d in layers)}",
+                flush=True,
+            )
 
 
 def main() -> None:

@@ -65,9 +65,18 @@ def main() -> None:
     cold = run_phase(args.model, root)
     print(f"cold: {json.dumps(cold)}", file=sys.stderr)
     warm = run_phase(args.model, root)
-    print(json.dumps(dict(model=args.model, cache_dir=root, cold=cold, warm=warm,
-                          ttft_ratio=warm["ttft_s"] / cold["ttft_s"],
-                          compile_ratio=warm["compile_s"] / cold["compile_s"])))
+    print(
+        json.dumps(
+            dict(
+                model=args.model,
+                cache_dir=root,
+                cold=cold,
+                warm=warm,
+                ttft_ratio=warm["ttft_s"] / cold["ttft_s"],
+                compile_ratio=warm["compile_s"] / cold["compile_s"],
+            )
+        )
+    )
 
 
 if __name__ == "__main__":

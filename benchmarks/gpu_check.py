@@ -70,9 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-MODES = {"eager": dict(compile="eager"), "thunder": dict(compile="thunder"),
-         "thunder-cudagraphs": dict(compile="thunder", cuda_graphs=True, trace="step"),
-         "thunder-torchcompile": dict(compile="thunder", executors=("torchcompile", "torch"))}
+MODES = {
+    "eager": dict(compile="eager"),
+    "thunder": dict(compile="thunder"),
+    "thunder-cudagraphs": dict(compile="thunder", cuda_graphs=True, trace="step"),
+    "thunder-torchcompile": dict(compile="thunder", executors=("torchcompile", "torch")),
+}
 
 
 def engine_config(mode: str, **shape) -> EngineConfig:
@@ -124,8 +127,17 @@ def compare(got: list[list[int]], want: list[list[int]]) -> dict:
 
 def run_parity(report: Report, gpt, modes: list[str]) -> None:
     prompts = prompts_of(PARITY_LENGTHS, gpt.config.vocab_size, seed=1)
-    section = report.data.setdefault("parity", {"dtype": "float32", **PARITY, "max_new_tokens": PARITY_NEW,
-                                                 "prompt_lengths": PARITY_LENGTHS, "checks": {}, "compile_s": {}})
+    section = report.data.setdefault(
+        "parity",
+        {
+            "dtype": "float32",
+            **PARITY,
+            "max_new_tokens": PARITY_NEW,
+            "prompt_lengths": PARITY_LENGTHS,
+            "checks": {},
+            "compile_s": {},
+        },
+    )
     eager = None
     with report.stage("parity: eager engine vs litgpt generate_fn"):
         eager, _ = engine_tokens(gpt, "eager", prompts, PARITY_NEW, **PARITY)
@@ -146,11 +158,17 @@ def text_check(report: Report, gpt, tokenizer) -> None:
     if tokenizer is None:
         return
     with report.stage("text: greedy answer of the real model"):
-        engine = Engine(copy.deepcopy(gpt), EngineConfig(compile="eager", batch_size=1, max_seq_length=64,
-                                                          prefill_chunk=16), tokenizer)
+        engine = Engine(
+            copy.deepcopy(gpt),
+            EngineConfig(compile="eager", batch_size=1, max_seq_length=64, prefill_chunk=16),
+            tokenizer,
+        )
         result = engine.generate(["The capital of France is"], SamplingParams(max_new_tokens=8))[0]
-        report.data["text"] = {"prompt": "The capital of France is", "completion": result.text,
-                               "mentions_paris": "Paris" in (result.text or "")}
+        report.data["text"] = {
+            "prompt": "The capital of France is",
+            "completion": result.text,
+            "mentions_paris": "Paris" in (result.text or ""),
+        }
 
 
 # -- benchmark -------------------------------------------------------------------------------------
@@ -170,9 +188,17 @@ def bench_one(gpt_bf16, mode: str, batch: int, prompt_len: int, new: int) -> dic
         elapsed = time.perf_counter() - start
         best, steps = min(best, elapsed), engine.stats()["steps"] - steps_before
     generated = batch * new
-    row = {"mode": mode, "batch_size": batch, "compile_s": round(compile_s, 2), "seconds": round(best, 4),
-            "steps": steps, "ms_per_step": round(1000 * best / steps, 3), "generated_tokens": generated,
-            "tokens_per_s": round(generated / best, 1), "cache_misses": engine.stats()["cache_misses"]}
+    row = {
+        "mode": mode,
+        "batch_size": batch,
+        "compile_s": round(compile_s, 2),
+        "seconds": round(best, 4),
+        "steps": steps,
+        "ms_per_step": round(1000 * best / steps, 3),
+        "generated_tokens": generated,
+        "tokens_per_s": round(generated / best, 1),
+        "cache_misses": engine.stats()["cache_misses"],
+    }
     return dict(row, **trace_summary(engine)) if mode != "eager" else row
 
 
@@ -190,8 +216,10 @@ def trace_summary(engine: Engine) -> dict:
 
 def run_benchmark(report: Report, gpt, device: str, batches: list[int], modes: list[str]) -> None:
     prompt_len, new = BENCH_SIZES[device]
-    rows = report.data.setdefault("benchmark", {"dtype": "bfloat16", "prompt_tokens": prompt_len,
-                                                "new_tokens": new, "prefill_chunk": BENCH_CHUNK, "rows": []})
+    rows = report.data.setdefault(
+        "benchmark",
+        {"dtype": "bfloat16", "prompt_tokens": prompt_len, "new_tokens": new, "prefill_chunk": BENCH_CHUNK, "rows": []},
+    )
     gpt_bf16 = copy.deepcopy(gpt).to(torch.bfloat16)
     for batch in batches:
         for mode in ["eager", *modes]:
@@ -212,14 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("THUNDER_BATCH_CACHE_DIR", tempfile.mkdtemp(prefix="gpu_check_cache_"))  # trace afresh
     report = Report(args.out / "gpu_check.json", args.budget_s, DEFAULT_COMPILE_ESTIMATE_S)
-    report.data["settings"] = {"device": args.device, "batches": args.batches, "budget_s": args.budget_s,
-                               "layers": args.layers or "all", "compiled_modes": args.modes}
+    report.data["settings"] = {
+        "device": args.device,
+        "batches": args.batches,
+        "budget_s": args.budget_s,
+        "layers": args.layers or "all",
+        "compiled_modes": args.modes,
+    }
     with report.stage("environment"):
         report.data["environment"] = environment(args.device)
     with report.stage("model"):
         gpt, tokenizer, model_info = load_model(args.layers, args.device)
-        report.data["model"] = dict(model_info, layers=gpt.config.n_layer,
-                                    parameters=sum(p.numel() for p in gpt.parameters()))
+        report.data["model"] = dict(
+            model_info, layers=gpt.config.n_layer, parameters=sum(p.numel() for p in gpt.parameters())
+        )
     if "model" not in report.data:
         return report.finish()
     run_parity(report, gpt, args.modes)

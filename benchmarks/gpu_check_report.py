@@ -18,11 +18,18 @@ def environment(device: str) -> dict:
     from thunder_batch.compile import executor_availability
     from thunder_batch.versions import package_versions
 
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           **package_versions(("lightning-thunder", "litgpt", "triton"), "not installed"), "device": device}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        **package_versions(("lightning-thunder", "litgpt", "triton"), "not installed"),
+        "device": device,
+    }
     if device == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
-                   capability=".".join(map(str, torch.cuda.get_device_capability())))
+        env.update(
+            gpu=torch.cuda.get_device_name(),
+            cuda=torch.version.cuda,
+            capability=".".join(map(str, torch.cuda.get_device_capability())),
+        )
     env["executors"] = {name: why or "available" for name, why in executor_availability().items()}
     return env
 
@@ -74,8 +81,9 @@ class Report:
         left = self.budget_s - self.elapsed()
         if left >= needed_s:
             return True
-        self.data["skipped"].append({"what": what, "reason": f"time budget: {left:.0f} s left, about "
-                                                             f"{needed_s:.0f} s needed"})
+        self.data["skipped"].append(
+            {"what": what, "reason": f"time budget: {left:.0f} s left, about {needed_s:.0f} s needed"}
+        )
         print(f"[{self.elapsed():6.1f} s] skipped {what}: budget", file=sys.stderr, flush=True)
         return False
 
@@ -101,14 +109,18 @@ class Report:
     def summary(self, ok: bool, why: str) -> str:
         lines = [f"GPU CHECK: {'PASS' if ok else 'FAIL'} ({why}); {self.elapsed():.0f} s; JSON: {self.path}"]
         env = self.data.get("environment", {})
-        lines.append("tested: " + ", ".join(f"{k} {env[k]}" for k in ("torch", "lightning-thunder", "litgpt",
-                                                                        "python", "gpu") if k in env))
+        lines.append(
+            "tested: "
+            + ", ".join(f"{k} {env[k]}" for k in ("torch", "lightning-thunder", "litgpt", "python", "gpu") if k in env)
+        )
         for name, check in self.data.get("parity", {}).get("checks", {}).items():
             lines.append(f"  parity {name}: {'match' if check['match'] else check['first_mismatch']}")
         lines.append(f"  {'mode':<20}{'batch':>6}{'compile s':>11}{'ms/step':>10}{'tokens/s':>11}")
         for row in self.data.get("benchmark", {}).get("rows", []):
-            lines.append(f"  {row['mode']:<20}{row['batch_size']:>6}{row['compile_s']:>11.1f}"
-                         f"{row['ms_per_step']:>10.2f}{row['tokens_per_s']:>11.1f}")
+            lines.append(
+                f"  {row['mode']:<20}{row['batch_size']:>6}{row['compile_s']:>11.1f}"
+                f"{row['ms_per_step']:>10.2f}{row['tokens_per_s']:>11.1f}"
+            )
         lines += [f"  skipped {s['what']}: {s['reason']}" for s in self.data["skipped"]]
         lines += [f"  ERROR in {e['stage']}: {e['error']}" for e in self.data["errors"]]
         return "\n".join(lines)

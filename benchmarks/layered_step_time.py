@@ -25,8 +25,9 @@ def build(gpt_config, batch_size: int, trace: str):
     from thunder_batch import Engine, EngineConfig
 
     torch.manual_seed(0)
-    config = EngineConfig(batch_size=batch_size, max_seq_length=256, prefill_chunk=1, trace=trace,
-                          cache_dir="/dev/null/none")
+    config = EngineConfig(
+        batch_size=batch_size, max_seq_length=256, prefill_chunk=1, trace=trace, cache_dir="/dev/null/none"
+    )
     engine = Engine(litgpt.GPT(gpt_config).eval(), config)
     start = time.perf_counter()
     with torch.no_grad():
@@ -81,10 +82,19 @@ def main() -> None:
             for trace, (engine, _) in engines.items():
                 times[trace].append(time_steps(engine, step_args, args.steps))
         median = {trace: statistics.median(ms) for trace, ms in times.items()}
-        print(json.dumps(dict(batch_size=batch_size, compile_s={t: round(e[1], 1) for t, e in engines.items()},
-                              median_step_ms={t: round(m, 1) for t, m in median.items()},
-                              layered_over_whole=round(median["layers"] / median["step"], 3),
-                              same_tokens=same[0] == same[1], rounds_ms=times)), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    batch_size=batch_size,
+                    compile_s={t: round(e[1], 1) for t, e in engines.items()},
+                    median_step_ms={t: round(m, 1) for t, m in median.items()},
+                    layered_over_whole=round(median["layers"] / median["step"], 3),
+                    same_tokens=same[0] == same[1],
+                    rounds_ms=times,
+                )
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def hard_cases(b: int, v: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Te
     x[kind == 1] = x[kind == 1].round()  # many ties
     x[kind == 2] = 0.0  # flat
     x[kind == 3] = (x[kind == 3] * 4).round() / 4 * 10  # ties, sharp
-    x[kind == 4, v // 2:] = float("-inf")
+    x[kind == 4, v // 2 :] = float("-inf")
     x[kind == 5] = -x[kind == 5].abs()  # all <= 0, with -0.0 from rounding below
     x[kind == 5, :3] = -0.0
     choices_k = torch.tensor([0, 1, 2, 5, 50, v - 1, v, v + 3])
@@ -126,8 +126,10 @@ def timed(fn, *args, reps: int) -> float:
 
 def bench(batches: list[int], vocab: int, reps: int, jit=None) -> None:
     """min ms per call: the sort filter, the candidate, and the whole sampler filtered / unfiltered."""
-    print("\n| B | mode | sort filter ms | bisect ms | bisect/sort | sample ms | unfiltered sample ms "
-          "| unfiltered/sample |")
+    print(
+        "\n| B | mode | sort filter ms | bisect ms | bisect/sort | sample ms | unfiltered sample ms "
+        "| unfiltered/sample |"
+    )
     print("|---" * 8 + "|")
     for b in batches:
         gen = torch.Generator().manual_seed(b)

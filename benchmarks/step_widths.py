@@ -25,8 +25,9 @@ def main() -> None:
 
     widths = [int(w) for w in args.widths.split(",")]
     for B in (int(b) for b in args.batch_sizes.split(",")):
-        config = EngineConfig(batch_size=B, max_seq_length=args.max_seq_length, prefill_chunk=max(widths),
-                              compile="eager")
+        config = EngineConfig(
+            batch_size=B, max_seq_length=args.max_seq_length, prefill_chunk=max(widths), compile="eager"
+        )
         run = Engine.from_checkpoint(None, config).runner.run
         for T in widths:
             plan = StepPlan(T, [])
@@ -37,8 +38,17 @@ def main() -> None:
                 run(plan)
                 times.append(time.perf_counter() - start)
             best = min(times)
-            print(json.dumps(dict(batch_size=B, width=T, step_ms=round(1000 * best, 1),
-                                  ms_per_position=round(1000 * best / (B * T), 2))), flush=True)
+            print(
+                json.dumps(
+                    dict(
+                        batch_size=B,
+                        width=T,
+                        step_ms=round(1000 * best, 1),
+                        ms_per_position=round(1000 * best / (B * T), 2),
+                    )
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The tables of a `thunder-batch bench --output-json` file as Markdown, for benchmarks/RESULTS.md.
 
-    python benchmarks/to_markdown.py results.json
+python benchmarks/to_markdown.py results.json
 """
 
 from __future__ import annotations

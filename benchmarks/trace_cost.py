@@ -38,8 +38,9 @@ print(json.dumps(dict(n_layer=n_layer, batch_size=batch, per_width_s={w: round(s
 
 def run_row(n_layer: int, widths: str, batch: int, speedups: bool) -> dict:
     env = dict(os.environ, THUNDER_BATCH_FAST_TRACE="1" if speedups else "0")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(n_layer), widths, str(batch)], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(n_layer), widths, str(batch)], env=env, capture_output=True, text=True
+    )
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]), trace_speedups=speedups)

@@ -1,7 +1,7 @@
 """Talk to `thunder-batch serve` with the official OpenAI client: list the model, chat, stream a completion.
 
-    thunder-batch serve --compile eager          # in another terminal; wait for "Application startup complete"
-    python examples/openai_client.py             # or --base-url http://HOST:PORT/v1 --api-key KEY
+thunder-batch serve --compile eager          # in another terminal; wait for "Application startup complete"
+python examples/openai_client.py             # or --base-url http://HOST:PORT/v1 --api-key KEY
 """
 
 from __future__ import annotations
@@ -25,17 +25,28 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {model}")
 
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=args.max_tokens, temperature=0,  # greedy: the same answer every time
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=args.max_tokens,
+        temperature=0,  # greedy: the same answer every time
     )
     choice = reply.choices[0]
-    print(f"chat: {choice.message.content!r} (finish_reason={choice.finish_reason}, "
-          f"{reply.usage.prompt_tokens} prompt + {reply.usage.completion_tokens} completion tokens)")
+    print(
+        f"chat: {choice.message.content!r} (finish_reason={choice.finish_reason}, "
+        f"{reply.usage.prompt_tokens} prompt + {reply.usage.completion_tokens} completion tokens)"
+    )
 
     print("stream: Once upon a time", end="", flush=True)
-    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=args.max_tokens,
-                                       temperature=0.8, top_p=0.95, seed=1234, stream=True,
-                                       extra_body={"top_k": 50})  # top_k is an extension to OpenAI's API
+    stream = client.completions.create(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=args.max_tokens,
+        temperature=0.8,
+        top_p=0.95,
+        seed=1234,
+        stream=True,
+        extra_body={"top_k": 50},
+    )  # top_k is an extension to OpenAI's API
     for chunk in stream:
         print(chunk.choices[0].text, end="", flush=True)
     print()

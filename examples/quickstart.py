@@ -18,8 +18,14 @@ prompts = [torch.randint(0, 256, (n,)).tolist() for n in (1, 3, 7, 8, 9, 15, 17,
 def litgpt_greedy(prompt, max_new_tokens):
     single = copy.deepcopy(model)
     single.set_kv_cache(batch_size=1, max_seq_length=len(prompt) + max_new_tokens)
-    tokens = generate_fn(single, torch.tensor(prompt), len(prompt) + max_new_tokens, temperature=0.0,
-                         include_prompt=False, include_eos=False)
+    tokens = generate_fn(
+        single,
+        torch.tensor(prompt),
+        len(prompt) + max_new_tokens,
+        temperature=0.0,
+        include_prompt=False,
+        include_eos=False,
+    )
     return [int(t) for t in tokens]
 
 
@@ -30,6 +36,8 @@ results = engine.generate(prompts, SamplingParams(max_new_tokens=10))
 same = sum(r.token_ids == e for r, e in zip(results, expected))
 stats = engine.stats()
 print(f"{same}/{len(prompts)} prompts token-identical to litgpt generate_fn")
-print(f"cache_misses={stats['cache_misses']} (step widths {stats['step_widths']}), steps={stats['steps']}, "
-      f"generated_tokens={stats['generated_tokens']}")
+print(
+    f"cache_misses={stats['cache_misses']} (step widths {stats['step_widths']}), steps={stats['steps']}, "
+    f"generated_tokens={stats['generated_tokens']}"
+)
 assert same == len(prompts) and stats["cache_misses"] <= 2

@@ -7,8 +7,16 @@ from litgpt import GPT, Config
 
 from thunder_batch.bench.parity import litgpt_greedy, random_weights
 
-__all__ = ["BLOCK", "ENGINE_CONFIG", "FAMILY_CONFIGS", "VOCAB", "litgpt_greedy", "mixed_prompts", "tiny_config",
-           "tiny_gpt"]
+__all__ = [
+    "BLOCK",
+    "ENGINE_CONFIG",
+    "FAMILY_CONFIGS",
+    "VOCAB",
+    "litgpt_greedy",
+    "mixed_prompts",
+    "tiny_config",
+    "tiny_gpt",
+]
 
 VOCAB = 256
 BLOCK = 128
@@ -18,18 +26,35 @@ FAMILY_CONFIGS = {
     # GPT-NeoX/Pythia: parallel residual, partial rotary (25%), LayerNorm, biases, MHA
     "pythia": dict(name="pythia-14m", n_layer=2),
     # Llama: RMSNorm, SwiGLU, grouped-query attention (4 query heads over 2 KV heads)
-    "llama": dict(name="SmolLM2-135M", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
-                  intermediate_size=128),
+    "llama": dict(
+        name="SmolLM2-135M", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16, intermediate_size=128
+    ),
     # Gemma-2: attention and final logit softcapping, post-attention/post-MLP norms, scaled
     # embeddings, GeGLU, alternating sliding-window layers, attention_scores_scalar
-    "gemma2": dict(name="gemma-2-2b", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
-                   intermediate_size=128, attention_scores_scalar=16),
+    "gemma2": dict(
+        name="gemma-2-2b",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_query_groups=2,
+        head_size=16,
+        intermediate_size=128,
+        attention_scores_scalar=16,
+    ),
     # Gemma-2 with a window short enough to bite: layers alternate sliding-window and global attention
-    "gemma2_window": dict(name="gemma-2-2b", n_layer=4, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
-                          intermediate_size=128, attention_scores_scalar=16, sliding_window_size=6),
+    "gemma2_window": dict(
+        name="gemma-2-2b",
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        n_query_groups=2,
+        head_size=16,
+        intermediate_size=128,
+        attention_scores_scalar=16,
+        sliding_window_size=6,
+    ),
     # Phi-2: parallel residual with a shared attention norm, partial rotary, GELU MLP
-    "phi2": dict(name="phi-2", n_layer=2, n_embd=64, n_head=4, n_query_groups=4, head_size=16,
-                 intermediate_size=128),
+    "phi2": dict(name="phi-2", n_layer=2, n_embd=64, n_head=4, n_query_groups=4, head_size=16, intermediate_size=128),
 }
 
 

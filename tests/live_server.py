@@ -31,8 +31,21 @@ class Server:
     def __init__(self, log_path: Path, checkpoint: Path, *args: str, compile: str = "eager"):
         self.port, self.log_path = free_port(), log_path
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "thunder_batch.cli", "serve", "--checkpoint_dir", str(checkpoint),
-               "--compile", compile, "--port", str(self.port), "--log_level", "warning", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "thunder_batch.cli",
+            "serve",
+            "--checkpoint_dir",
+            str(checkpoint),
+            "--compile",
+            compile,
+            "--port",
+            str(self.port),
+            "--log_level",
+            "warning",
+            *args,
+        ]
         # One torch thread: this 2-core machine is shared, and the offline oracle uses one too.
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(log_path, "wb") as log:

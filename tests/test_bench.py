@@ -15,8 +15,7 @@ from thunder_batch.bench.workloads import build_workload, load_prompts, poisson_
 
 from helpers import tiny_gpt
 
-QUICK = dict(dataset="random", input_len=10, range_ratio=0.5, ignore_eos=True, progress=False,
-             matmul_n=128, copy_mb=4)
+QUICK = dict(dataset="random", input_len=10, range_ratio=0.5, ignore_eos=True, progress=False, matmul_n=128, copy_mb=4)
 
 
 def test_shipped_prompts_are_real_and_varied():
@@ -95,12 +94,25 @@ def test_parse_options():
 
 def test_eager_and_litgpt_baselines_end_to_end(tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    result = bench.run_benchmark(tiny_gpt("llama"), num_requests=6, max_new_tokens=5, batch_size="1,3",
-                                 prefill_chunk=4, systems="litgpt-sequential,litgpt-batched,eager",
-                                 output_json=out_json, plot=out_png, **QUICK)
+    result = bench.run_benchmark(
+        tiny_gpt("llama"),
+        num_requests=6,
+        max_new_tokens=5,
+        batch_size="1,3",
+        prefill_chunk=4,
+        systems="litgpt-sequential,litgpt-batched,eager",
+        output_json=out_json,
+        plot=out_png,
+        **QUICK,
+    )
     runs = {(m["system"], m["batch_size"]): m for m in result["runs"]}
-    assert set(runs) == {("litgpt-sequential", None), ("litgpt-batched", 1), ("litgpt-batched", 3), ("eager", 1),
-                         ("eager", 3)}
+    assert set(runs) == {
+        ("litgpt-sequential", None),
+        ("litgpt-batched", 1),
+        ("litgpt-batched", 3),
+        ("eager", 1),
+        ("eager", 3),
+    }
     workload = result["workload"]
     for m in runs.values():
         # ignore_eos: every request produces exactly its limit
@@ -129,16 +141,31 @@ def test_a_perturbed_baseline_is_reported(monkeypatch):
         return run
 
     monkeypatch.setattr(bench, "run_system", perturbed)
-    result = bench.run_benchmark(tiny_gpt("llama"), num_requests=4, max_new_tokens=4, batch_size="2",
-                                 prefill_chunk=4, systems="litgpt-sequential,eager", **QUICK)
+    result = bench.run_benchmark(
+        tiny_gpt("llama"),
+        num_requests=4,
+        max_new_tokens=4,
+        batch_size="2",
+        prefill_chunk=4,
+        systems="litgpt-sequential,eager",
+        **QUICK,
+    )
     check = next(m for m in result["runs"] if m["system"] == "litgpt-sequential")["token_check"]
     assert check["mismatched_requests"] == 1
     assert check["first_mismatch"]["request"] == 2 and check["first_mismatch"]["position"] == 1
 
 
 def test_online_arrivals_drive_add_request_and_step():
-    result = bench.run_benchmark(tiny_gpt("llama"), num_requests=4, max_new_tokens=3, batch_size="2",
-                                 prefill_chunk=4, request_rate=40.0, systems="litgpt-batched,eager", **QUICK)
+    result = bench.run_benchmark(
+        tiny_gpt("llama"),
+        num_requests=4,
+        max_new_tokens=3,
+        batch_size="2",
+        prefill_chunk=4,
+        request_rate=40.0,
+        systems="litgpt-batched,eager",
+        **QUICK,
+    )
     assert "offline workloads only" in result["skipped"]["litgpt-batched"]
     (run,) = result["runs"]
     assert result["workload"]["mode"].startswith("online") and result["workload"]["last_arrival_s"] > 0
@@ -147,9 +174,16 @@ def test_online_arrivals_drive_add_request_and_step():
 
 def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
     # prefill_chunk=1: one step width (tracing is the slow part on this CPU)
-    result = bench.run_benchmark(tiny_gpt("llama", n_layer=1), num_requests=3, max_new_tokens=4, batch_size="2",
-                                 prefill_chunk=1, systems="eager,thunder-torch,thunder-nvfuser", profile=True,
-                                 **QUICK)
+    result = bench.run_benchmark(
+        tiny_gpt("llama", n_layer=1),
+        num_requests=3,
+        max_new_tokens=4,
+        batch_size="2",
+        prefill_chunk=1,
+        systems="eager,thunder-torch,thunder-nvfuser",
+        profile=True,
+        **QUICK,
+    )
     thunder = next(m for m in result["runs"] if m["system"] == "thunder-torch")
     assert thunder["token_check"]["mismatched_requests"] == 0
     assert thunder["output_tokens"] == 3 * result["workload"]["max_new_tokens_mean"] > 0
@@ -166,18 +200,33 @@ def test_system_restrictions_pick_precisions_and_batch_sizes():
     from thunder_batch.bench.plan import SystemSpec, parse_precisions, plan_runs
 
     specs = bench.parse_systems("litgpt-sequential, eager@bfloat16, thunder-torch@float32/bfloat16:32/8, eager:4")
-    assert specs == [SystemSpec("litgpt-sequential"), SystemSpec("eager", ("bfloat16",)),
-                     SystemSpec("thunder-torch", ("float32", "bfloat16"), (8, 32)), SystemSpec("eager", None, (4,))]
+    assert specs == [
+        SystemSpec("litgpt-sequential"),
+        SystemSpec("eager", ("bfloat16",)),
+        SystemSpec("thunder-torch", ("float32", "bfloat16"), (8, 32)),
+        SystemSpec("eager", None, (4,)),
+    ]
     plan = plan_runs(specs, ["float32", "bfloat16"], [16, 64])
-    assert plan == [("litgpt-sequential", "float32", None), ("litgpt-sequential", "bfloat16", None),
-                    ("eager", "bfloat16", 16), ("eager", "bfloat16", 64),
-                    ("thunder-torch", "float32", 8), ("thunder-torch", "float32", 32),
-                    ("thunder-torch", "bfloat16", 8), ("thunder-torch", "bfloat16", 32),
-                    ("eager", "float32", 4), ("eager", "bfloat16", 4)]
+    assert plan == [
+        ("litgpt-sequential", "float32", None),
+        ("litgpt-sequential", "bfloat16", None),
+        ("eager", "bfloat16", 16),
+        ("eager", "bfloat16", 64),
+        ("thunder-torch", "float32", 8),
+        ("thunder-torch", "float32", 32),
+        ("thunder-torch", "bfloat16", 8),
+        ("thunder-torch", "bfloat16", 32),
+        ("eager", "float32", 4),
+        ("eager", "bfloat16", 4),
+    ]
     assert parse_precisions(None, "bfloat16") == ["bfloat16"]
     assert parse_precisions("bfloat16, float32,bfloat16", "float32") == ["bfloat16", "float32"]
-    for bad, match in (("eager@fp8", "unknown precision"), ("vllm@float32", "unknown system"),
-                       ("eager:0", "batch sizes"), ("litgpt-sequential:8", "no batch size")):
+    for bad, match in (
+        ("eager@fp8", "unknown precision"),
+        ("vllm@float32", "unknown system"),
+        ("eager:0", "batch sizes"),
+        ("litgpt-sequential:8", "no batch size"),
+    ):
         with pytest.raises(ValueError, match=match):
             bench.parse_systems(bad)
     with pytest.raises(ValueError, match="add them to --precisions"):
@@ -201,12 +250,17 @@ def test_two_precisions_ratios_token_checks_and_targets_from_fake_runs():
     from thunder_batch.bench import report
 
     fp32, bf16 = [[1, 2], [3, 4]], [[1, 5], [3, 6]]  # the precisions legitimately disagree
-    runs = [fake_run("litgpt-sequential", "float32", None, fp32, 1.0),  # 4 tok/s
-            fake_run("litgpt-sequential", "bfloat16", None, [[1, 5], [3, 7]], 0.5),  # 8 tok/s, one token off
-            fake_run("eager", "bfloat16", 2, bf16, 0.1), fake_run("thunder-torch", "bfloat16", 2, bf16, 0.05, 0.01),
-            fake_run("eager", "float32", 2, fp32, 0.2), fake_run("thunder-torch", "float32", 2, fp32, 0.125, 0.02)]
-    cost = ModelCost(block_linear_params=1000, lm_head_params=500, n_layer=1, attn_width=8, kv_width=8,
-                     weight_bytes=4000)
+    runs = [
+        fake_run("litgpt-sequential", "float32", None, fp32, 1.0),  # 4 tok/s
+        fake_run("litgpt-sequential", "bfloat16", None, [[1, 5], [3, 7]], 0.5),  # 8 tok/s, one token off
+        fake_run("eager", "bfloat16", 2, bf16, 0.1),
+        fake_run("thunder-torch", "bfloat16", 2, bf16, 0.05, 0.01),
+        fake_run("eager", "float32", 2, fp32, 0.2),
+        fake_run("thunder-torch", "float32", 2, fp32, 0.125, 0.02),
+    ]
+    cost = ModelCost(
+        block_linear_params=1000, lm_head_params=500, n_layer=1, attn_width=8, kv_width=8, weight_bytes=4000
+    )
     peaks = dict(matmul_flops_per_s={"float32": 1e6, "bfloat16": 4e6}, copy_bytes_per_s=1e9)
     metrics = [report.run_metrics(r, cost, peaks, 100) for r in runs]
     assert [m["precision"] for m in metrics] == [r.precision for r in runs]
@@ -223,12 +277,15 @@ def test_two_precisions_ratios_token_checks_and_targets_from_fake_runs():
     assert metrics[2]["token_reference"] and metrics[4]["token_reference"]
 
     table, baseline = report.speedups(metrics)
-    assert baseline == dict(precision="bfloat16", output_tokens_per_s=8.0,
-                            by_precision={"float32": 4.0, "bfloat16": 8.0})
+    assert baseline == dict(
+        precision="bfloat16", output_tokens_per_s=8.0, by_precision={"float32": 4.0, "bfloat16": 8.0}
+    )
     assert metrics[3]["speedup"] == pytest.approx(dict(vs_litgpt_sequential=10.0, vs_eager=2.0))
     assert metrics[5]["speedup"] == pytest.approx(dict(vs_litgpt_sequential=4.0, vs_eager=1.6))
-    assert table == {"bfloat16": {"B=2": pytest.approx({"eager": 5.0, "thunder-torch": 10.0})},
-                     "float32": {"B=2": pytest.approx({"eager": 2.5, "thunder-torch": 4.0})}}
+    assert table == {
+        "bfloat16": {"B=2": pytest.approx({"eager": 5.0, "thunder-torch": 10.0})},
+        "float32": {"B=2": pytest.approx({"eager": 2.5, "thunder-torch": 4.0})},
+    }
 
     rows = {(t["target"], t["where"]): t for t in report.targets(metrics)}
     best = "thunder-torch bfloat16 B=2 (best)"
@@ -244,12 +301,26 @@ def test_two_precisions_ratios_token_checks_and_targets_from_fake_runs():
 
 def test_two_precision_run_end_to_end(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    result = bench.run_benchmark(tiny_gpt("llama"), num_requests=4, max_new_tokens=4, batch_size="1,2",
-                                 prefill_chunk=4, precisions="float32,bfloat16", output_json=out_json, plot=out_png,
-                                 systems="litgpt-sequential,eager@bfloat16,eager@float32:2", **QUICK)
+    result = bench.run_benchmark(
+        tiny_gpt("llama"),
+        num_requests=4,
+        max_new_tokens=4,
+        batch_size="1,2",
+        prefill_chunk=4,
+        precisions="float32,bfloat16",
+        output_json=out_json,
+        plot=out_png,
+        systems="litgpt-sequential,eager@bfloat16,eager@float32:2",
+        **QUICK,
+    )
     runs = {(m["system"], m["precision"], m["batch_size"]): m for m in result["runs"]}
-    assert list(runs) == [("litgpt-sequential", "float32", None), ("litgpt-sequential", "bfloat16", None),
-                          ("eager", "bfloat16", 1), ("eager", "bfloat16", 2), ("eager", "float32", 2)]
+    assert list(runs) == [
+        ("litgpt-sequential", "float32", None),
+        ("litgpt-sequential", "bfloat16", None),
+        ("eager", "bfloat16", 1),
+        ("eager", "bfloat16", 2),
+        ("eager", "float32", 2),
+    ]
     peaks = result["peaks"]["matmul_flops_per_s"]
     assert set(peaks) == {"float32", "bfloat16"} and min(peaks.values()) > 0
     for (_, precision, _), m in runs.items():

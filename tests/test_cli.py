@@ -12,8 +12,18 @@ from thunder_batch.cli import normalize_flags
 
 def test_dashed_flags_and_repeated_list_flags():
     argv = ["generate", "--batch-size", "4", "--max-new-tokens=3", "--prompt", "a b", "--prompt", "c", "--stop", "."]
-    assert normalize_flags(argv) == ["generate", "--batch_size", "4", "--max_new_tokens=3", "--prompt+", "a b",
-                                     "--prompt+", "c", "--stop+", "."]
+    assert normalize_flags(argv) == [
+        "generate",
+        "--batch_size",
+        "4",
+        "--max_new_tokens=3",
+        "--prompt+",
+        "a b",
+        "--prompt+",
+        "c",
+        "--stop+",
+        ".",
+    ]
 
 
 def test_bare_switches_mean_true():
@@ -29,9 +39,15 @@ EXPECTED_FLAGS = {
     "generate": {**ENGINE_FLAGS, "compile": "thunder", "prompt": "null", "max_new_tokens": "64"},
     "serve": {**ENGINE_FLAGS, "compile": "thunder", "host": "127.0.0.1", "port": "8000"},
     "compile": {**ENGINE_FLAGS, "list": "False", "clear": "False"},
-    "bench": {**MODEL_FLAGS, "batch_size": "8", "max_seq_length": "null", "prefill_chunk": "64", "cache_dir": "null",
-              "systems": "litgpt-sequential,litgpt-batched,eager,thunder-torch,thunder-torchcompile,thunder-nvfuser",
-              "precisions": "null"},
+    "bench": {
+        **MODEL_FLAGS,
+        "batch_size": "8",
+        "max_seq_length": "null",
+        "prefill_chunk": "64",
+        "cache_dir": "null",
+        "systems": "litgpt-sequential,litgpt-batched,eager,thunder-torch,thunder-torchcompile,thunder-nvfuser",
+        "precisions": "null",
+    },
 }
 
 
@@ -49,8 +65,13 @@ def help_defaults(text: str) -> dict[str, str]:
 
 def test_every_subcommand_lists_its_flags_and_defaults():
     for command, expected in EXPECTED_FLAGS.items():
-        done = subprocess.run([sys.executable, "-m", "thunder_batch.cli", command, "--help"], capture_output=True,
-                              text=True, timeout=300, env=dict(os.environ, COLUMNS="100"))
+        done = subprocess.run(
+            [sys.executable, "-m", "thunder_batch.cli", command, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, COLUMNS="100"),
+        )
         assert done.returncode == 0, (command, done.stderr[-2000:])
         listed = help_defaults(done.stdout)
         assert {flag: listed.get(flag) for flag in expected} == expected, command

@@ -31,10 +31,17 @@ def test_patch_is_idempotent_and_leaves_existing_methods_alone():
 def test_plain_import_thunder_needs_the_patch_and_import_thunder_works():
     """Guards the reason this module exists: if Thunder stops needing it, the first check flips."""
     code = "import torch; print(all(hasattr(torch.Tensor, n) for n in {names!r}))"
-    has_all = subprocess.run([sys.executable, "-c", code.format(names=REMOVED_NAMED_TENSOR_METHODS)],
-                             capture_output=True, text=True).stdout.strip() == "True"
+    has_all = (
+        subprocess.run(
+            [sys.executable, "-c", code.format(names=REMOVED_NAMED_TENSOR_METHODS)], capture_output=True, text=True
+        ).stdout.strip()
+        == "True"
+    )
     plain = subprocess.run([sys.executable, "-c", "import thunder"], capture_output=True, text=True)
     assert (plain.returncode == 0) == has_all, plain.stderr[-500:]
-    ours = subprocess.run([sys.executable, "-c", "from thunder_batch._compat import import_thunder; "
-                           "print(import_thunder().__version__)"], capture_output=True, text=True)
+    ours = subprocess.run(
+        [sys.executable, "-c", "from thunder_batch._compat import import_thunder; print(import_thunder().__version__)"],
+        capture_output=True,
+        text=True,
+    )
     assert ours.returncode == 0 and ours.stdout.strip(), ours.stderr[-500:]

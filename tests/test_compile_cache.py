@@ -64,8 +64,12 @@ def entries(root: Path) -> dict[str, Path]:
 
 def key_of_entry(path: Path) -> CacheKey:
     fields = json.loads(path.read_text())["key"]
-    return CacheKey(**{k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
-                       for k, v in fields.items()})
+    return CacheKey(
+        **{
+            k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
+            for k, v in fields.items()
+        }
+    )
 
 
 def cache_warnings(caught) -> list[str]:
@@ -81,8 +85,14 @@ def traced(tmp_path_factory):
         warnings.simplefilter("always")
         results = engine.generate(PROMPTS, PARAMS)
     path = entries(root)["block"]
-    return dict(root=root, engine=engine, key=key_of_entry(path), path=path, outputs=outputs(results),
-                warnings=cache_warnings(caught))
+    return dict(
+        root=root,
+        engine=engine,
+        key=key_of_entry(path),
+        path=path,
+        outputs=outputs(results),
+        warnings=cache_warnings(caught),
+    )
 
 
 def test_cold_start_stores_every_piece(traced):
@@ -128,7 +138,7 @@ def test_fresh_process_loads_bit_identical_outputs(traced):
         from thunder_batch.compile.cache import CompileCacheWarning
         warnings.simplefilter("error", CompileCacheWarning)
         from test_compile_cache import make_engine, outputs, PROMPTS, PARAMS
-        engine = make_engine({str(traced['root'])!r})
+        engine = make_engine({str(traced["root"])!r})
         results = engine.generate(PROMPTS, PARAMS)
         print(json.dumps(dict(outputs=outputs(results), stats=engine.stats())))
     """)
@@ -172,8 +182,20 @@ def test_every_key_field_changes_the_digest(traced):
         assert dataclasses.replace(key, **{field.name: other}).digest() != key.digest(), field.name
 
 
-@pytest.mark.parametrize("change", ["batch_size", "max_seq_length", "prefill_chunk", "executors", "cuda_graphs",
-                                    "model", "dtype", "versions", "program_source"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "batch_size",
+        "max_seq_length",
+        "prefill_chunk",
+        "executors",
+        "cuda_graphs",
+        "model",
+        "dtype",
+        "versions",
+        "program_source",
+    ],
+)
 def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monkeypatch):
     def key_of(engine, width=1):  # the prefix's key: every field but the piece's own
         return engine.runner.step_fn._key("prefix", "", engine.runner.inputs_for(StepPlan(width, [])).as_args()[:2])
@@ -221,9 +243,11 @@ def rehash(body: dict) -> dict:
 
 def edit_source(old: str, new: str):
     """A valid entry for a wrong program: the last `old` in the code (not in a comment) becomes `new`."""
+
     def edit(body):
         body["record"]["source"] = new.join(body["record"]["source"].rsplit(old, 1))
         return rehash(body)
+
     return edit
 
 
@@ -232,14 +256,26 @@ DAMAGE = {
     "corrupt": (lambda text: text.replace("torch.", "torcH.", 1), "content hash mismatch"),
     "stale format": (lambda body: rehash({**body, "format": FORMAT_VERSION - 1}), "stale format"),
     "stale version": (lambda body: rehash({**body, "key": {**body["key"], "versions": [["torch", "0.0"]]}}), "stale"),
-    "unloadable": (lambda body: rehash({**body, "record": {**body["record"], "ctx": {
-        **body["record"]["ctx"], "torch": ["module", "no_such_module"]}}}), "unloadable"),
+    "unloadable": (
+        lambda body: rehash(
+            {
+                **body,
+                "record": {**body["record"], "ctx": {**body["record"]["ctx"], "torch": ["module", "no_such_module"]}},
+            }
+        ),
+        "unloadable",
+    ),
     "wrong outputs": (edit_source("return (", "return (lambda *outs: tuple(o + 1 for o in outs))("), "outputs differ"),
     # the V cache write goes to a copy that attention reads, and is never copied back
-    "not in place": (lambda body: edit_source("= copy_(", "= (lambda a, b, grad_enabled: a)(")(edit_source(
-        "= thunder_batch_index_copy_into(", "= (lambda a, dim, index, src: a.clone().index_copy_(dim, index, src))(")(
-            body)),
-        "KV cache writes"),
+    "not in place": (
+        lambda body: edit_source("= copy_(", "= (lambda a, b, grad_enabled: a)(")(
+            edit_source(
+                "= thunder_batch_index_copy_into(",
+                "= (lambda a, dim, index, src: a.clone().index_copy_(dim, index, src))(",
+            )(body)
+        ),
+        "KV cache writes",
+    ),
 }
 
 
@@ -321,11 +357,11 @@ def test_concurrent_writers_leave_one_valid_entry(traced, tmp_path):
         spec = importlib.util.spec_from_file_location("cc", {str(Path(cc.__file__))!r})
         cc = sys.modules["cc"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(cc)
-        body = json.load(open({str(traced['path'])!r}))
+        body = json.load(open({str(traced["path"])!r}))
         key = cc.CacheKey(**{{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
                              if isinstance(v, list) else v for k, v in body["key"].items()}})
         store = cc.EntryStore({str(tmp_path)!r})
-        assert store.path(key).name == {traced['path'].name!r}
+        assert store.path(key).name == {traced["path"].name!r}
         for _ in range(20):
             assert store.save(key, body["record"])
     """)

@@ -37,9 +37,7 @@ def byte_level_bpe():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIALS, initial_alphabet=alphabet
-    )
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, initial_alphabet=alphabet)
     tok.train_from_iterator(CORPUS * 3, trainer)
     return tok
 
@@ -111,9 +109,7 @@ def wrappers(tok):
         "tokenizers": tok,
         "litgpt-like hf": SimpleNamespace(backend="huggingface", processor=tok),
         "fallback": ListDecoder(tok),
-        "litgpt-like sentencepiece": SimpleNamespace(
-            backend="sentencepiece", processor=ListDecoder(tok)
-        ),
+        "litgpt-like sentencepiece": SimpleNamespace(backend="sentencepiece", processor=ListDecoder(tok)),
     }
 
 
@@ -125,9 +121,7 @@ def test_fixture_splits_characters_across_tokens(bytelevel, metaspace):
         assert len(ids) > len("日本語 😀")
 
 
-@pytest.mark.parametrize(
-    "which", ["tokenizers", "litgpt-like hf", "fallback", "litgpt-like sentencepiece"]
-)
+@pytest.mark.parametrize("which", ["tokenizers", "litgpt-like hf", "fallback", "litgpt-like sentencepiece"])
 @pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
 def test_every_prefix_matches_full_decode(kind, which):
     tok = BUILDERS[kind]()

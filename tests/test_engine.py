@@ -17,8 +17,11 @@ def engine_for(gpt=None, **overrides) -> Engine:
 def test_finished_slot_takes_next_waiting_request_at_next_step():
     engine = engine_for(batch_size=2)
     short = SamplingParams(max_new_tokens=1)
-    ids = [engine.add_request([1, 2, 3], short), engine.add_request([4, 5], SamplingParams(max_new_tokens=3)),
-           engine.add_request([6], SamplingParams(max_new_tokens=3))]
+    ids = [
+        engine.add_request([1, 2, 3], short),
+        engine.add_request([4, 5], SamplingParams(max_new_tokens=3)),
+        engine.add_request([6], SamplingParams(max_new_tokens=3)),
+    ]
     assert [o.request_id for o in engine.step()] == [ids[0], ids[1]]  # both prefilled, first done
     assert engine.scheduler.slots[0] is None and list(engine.scheduler.waiting)[0].request_id == ids[2]
     engine.step()
@@ -53,7 +56,7 @@ def test_stop_token_ids_end_generation_and_are_not_returned():
     full = greedy_tokens([7, 7, 1])
     stop = full[5]
     result = engine_for().generate([[7, 7, 1]], SamplingParams(max_new_tokens=12, stop_token_ids=[stop]))[0]
-    assert result.token_ids == full[:full.index(stop)] and result.finish_reason == "stop"
+    assert result.token_ids == full[: full.index(stop)] and result.finish_reason == "stop"
 
 
 def test_overlapping_multi_token_stop_sequence_is_caught():
@@ -69,12 +72,12 @@ def test_overlapping_multi_token_stop_sequence_is_caught():
             break
     i = hits[0]
     stop = [full[i], full[i + 1]]
-    assert full[:i + 2].count(full[i]) >= 2
+    assert full[: i + 2].count(full[i]) >= 2
     result = engine.generate([prompt], SamplingParams(max_new_tokens=16, stop=[stop]))[0]
     want = full[:i]  # cut where [a, b] first completes
     for j in range(1, i + 1):
-        if full[j - 1:j + 1] == stop:
-            want = full[:j - 1]
+        if full[j - 1 : j + 1] == stop:
+            want = full[: j - 1]
             break
     assert result.token_ids == want and result.finish_reason == "stop"
 
@@ -122,13 +125,16 @@ def test_stats_count_steps_and_tokens():
     assert stats["step_widths"] == [1, 8]
 
 
-@pytest.mark.parametrize("prompt, params, message", [
-    ([], SamplingParams(), "empty"),
-    ([1] * 60, SamplingParams(max_new_tokens=5), r"exceeds max_seq_length \(64\)"),
-    ([1, 999], SamplingParams(), r"\[0, 256\)"),
-    ("text", SamplingParams(), "needs a tokenizer"),
-    ([1.5], SamplingParams(), "list of int"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(), "empty"),
+        ([1] * 60, SamplingParams(max_new_tokens=5), r"exceeds max_seq_length \(64\)"),
+        ([1, 999], SamplingParams(), r"\[0, 256\)"),
+        ("text", SamplingParams(), "needs a tokenizer"),
+        ([1.5], SamplingParams(), "list of int"),
+    ],
+)
 def test_bad_prompts_are_rejected_at_the_door(prompt, params, message):
     engine = engine_for()
     good = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=6))
@@ -139,18 +145,21 @@ def test_bad_prompts_are_rejected_at_the_door(prompt, params, message):
     assert tokens == litgpt_greedy(tiny_gpt("llama"), [1, 2, 3], 6)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-1), "top_k must be an int >= 0"),
-    (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
-    (dict(stop=3.5), "stop must be"),
-    (dict(stop=[None]), "stop must be"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(seed=-5), "seed must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k must be an int >= 0"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+        (dict(stop=3.5), "stop must be"),
+        (dict(stop=[None]), "stop must be"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(seed=-5), "seed must be"),
+    ],
+)
 def test_bad_sampling_params_name_the_limit(kwargs, message):
     with pytest.raises(ParamError, match=message) as info:
         SamplingParams(**kwargs)
@@ -177,10 +186,15 @@ def test_generate_validates_every_prompt_before_queueing_any():
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(batch_size=0), "batch_size"), (dict(prefill_chunk=100), "prefill_chunk"),
-    (dict(compile="jit"), "compile must be one of"), (dict(max_seq_length=1), "max_seq_length"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(batch_size=0), "batch_size"),
+        (dict(prefill_chunk=100), "prefill_chunk"),
+        (dict(compile="jit"), "compile must be one of"),
+        (dict(max_seq_length=1), "max_seq_length"),
+    ],
+)
 def test_bad_engine_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{**ENGINE_CONFIG, **kwargs})

@@ -26,8 +26,9 @@ from thunder_batch.compile import (
 
 from helpers import mixed_prompts, tiny_gpt
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs an NVIDIA GPU: torch.cuda.is_available() is False here")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs an NVIDIA GPU: torch.cuda.is_available() is False here"
+)
 
 SHAPE = dict(batch_size=2, max_seq_length=32, prefill_chunk=4)
 LENGTHS = [1, 3, 6, 9, 2]  # 5 prompts through 2 slots: slots reused, prompts chunked and padded
@@ -184,7 +185,7 @@ def test_cuda_graphs_match_eager_with_the_cache_written_in_place(executors, prom
     # Captured in place: same storage as before, and holding what eager wrote (same requests, same slots).
     assert [b.data_ptr() for b in kv_buffers(engine)] == pointers
     for got, want in zip(kv_buffers(engine), kv_buffers(eager)):
-        torch.testing.assert_close(got[..., :SHAPE["max_seq_length"], :], want[..., :SHAPE["max_seq_length"], :])
+        torch.testing.assert_close(got[..., : SHAPE["max_seq_length"], :], want[..., : SHAPE["max_seq_length"], :])
 
 
 @needs_cuda

@@ -44,7 +44,7 @@ def test_padding_and_empty_slots_never_touch_real_entries():
         assert changed[0, :3].all() and not changed[0, 3:S].any()  # the request's positions only
         assert not changed[1:, :S].any()  # empty slots: no real entry touched
         # padding t of a row writes scratch entry S + t: slot 0 pads t = 3..7, empty slots all t
-        assert changed[0, S + 3:].all() and not changed[0, S:S + 3].any() and changed[1:, S:].all()
+        assert changed[0, S + 3 :].all() and not changed[0, S : S + 3].any() and changed[1:, S:].all()
     assert engine.runner.gpt.transformer.h[0].attn.kv_cache.k.shape[2] == S + C  # every index < S + C
 
 
@@ -95,10 +95,10 @@ def _run_chunks(gpt, seqs, chunks, T):
         pos = torch.arange(T).repeat(B, 1) + gpt.max_seq_length  # padding -> scratch entries
         for b in range(B):
             n = chunks[b][step]
-            x[b, :n], pos[b, :n] = seqs[b, done[b]:done[b] + n], torch.arange(done[b], done[b] + n)
+            x[b, :n], pos[b, :n] = seqs[b, done[b] : done[b] + n], torch.arange(done[b], done[b] + n)
         logits = gpt.lm_head(forward_hidden(gpt, x, pos))  # [B, T, V]
         for b in range(B):
-            outs[b].append(logits[b, :chunks[b][step]])
+            outs[b].append(logits[b, : chunks[b][step]])
             done[b] += chunks[b][step]
     return torch.stack([torch.cat(o) for o in outs])
 
@@ -140,8 +140,9 @@ def test_seeded_sampling_is_independent_of_slot_and_batchmates():
 
 
 def _kw(params):
-    return dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p)
+    return dict(
+        max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p
+    )
 
 
 @pytest.mark.regression
@@ -161,8 +162,17 @@ def test_mixed_traffic_never_retraces_and_matches_eager(thunder_engine):
 
 def _mixed_workload(engine: Engine):
     prompts = mixed_prompts(9, [1, 7, 19, 30], seed=5)
-    params = [SamplingParams(max_new_tokens=3 + i % 4, temperature=[0.0, 0.8, 1.3][i % 3], top_k=[None, 5, 0][i % 3],
-                             top_p=[1.0, 0.5, 0.9][i % 3], seed=i, stop=[[7, 7]] if i == 4 else ()) for i in range(9)]
+    params = [
+        SamplingParams(
+            max_new_tokens=3 + i % 4,
+            temperature=[0.0, 0.8, 1.3][i % 3],
+            top_k=[None, 5, 0][i % 3],
+            top_p=[1.0, 0.5, 0.9][i % 3],
+            seed=i,
+            stop=[[7, 7]] if i == 4 else (),
+        )
+        for i in range(9)
+    ]
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     engine.step()
     engine.abort(ids[2])  # leaves mid-prefill
@@ -184,9 +194,15 @@ def test_traced_step_op_count_does_not_grow_with_batch():
         gpt.requires_grad_(False)
         attach_slot_caches(gpt, B, 17)
         jitted = thunder.jit(StepProgram(gpt))
-        args = (torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, 1, dtype=torch.long),
-                torch.zeros(B, dtype=torch.long), torch.zeros(B), torch.zeros(B, dtype=torch.long),
-                torch.ones(B), torch.zeros(B, dtype=torch.long))
+        args = (
+            torch.zeros(B, 1, dtype=torch.long),
+            torch.zeros(B, 1, dtype=torch.long),
+            torch.zeros(B, dtype=torch.long),
+            torch.zeros(B),
+            torch.zeros(B, dtype=torch.long),
+            torch.ones(B),
+            torch.zeros(B, dtype=torch.long),
+        )
         jitted(*args)
         names = sorted(b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols)
         counts.append(names)

@@ -20,8 +20,10 @@ BLOCK_IDX = (("submodule", "block.attn"), ("attr", "block_idx"))
 def run(engine: Engine) -> list:
     """Greedy and sampled requests (both heads); tokens and logprobs, bit for bit."""
     prompts = mixed_prompts(6, [1, 3, 6, 11])
-    params = [SamplingParams(max_new_tokens=5, temperature=[0.0, 0.9, 0.7][i % 3], top_p=[1.0, 1.0, 0.8][i % 3],
-                             seed=i) for i in range(6)]
+    params = [
+        SamplingParams(max_new_tokens=5, temperature=[0.0, 0.9, 0.7][i % 3], top_p=[1.0, 1.0, 0.8][i % 3], seed=i)
+        for i in range(6)
+    ]
     return [(r.token_ids, [float(x).hex() for x in r.logprobs]) for r in engine.generate(prompts, params)]
 
 

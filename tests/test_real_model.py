@@ -15,8 +15,14 @@ from helpers import litgpt_greedy
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["The capital of France is", "Water boils at", "def fibonacci(n):",
-           "Once upon a time, in a small village by the sea,", "1, 2, 3, 4,", "The largest planet in the solar system"]
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4,",
+    "The largest planet in the solar system",
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +32,9 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    return Engine.from_checkpoint(checkpoint, EngineConfig(batch_size=4, max_seq_length=256, prefill_chunk=16,
-                                                           compile="eager"))
+    return Engine.from_checkpoint(
+        checkpoint, EngineConfig(batch_size=4, max_seq_length=256, prefill_chunk=16, compile="eager")
+    )
 
 
 def test_greedy_parity_with_litgpt_one_prompt_at_a_time(engine, checkpoint):
@@ -41,8 +48,11 @@ def test_greedy_parity_with_litgpt_one_prompt_at_a_time(engine, checkpoint):
 
 
 def test_streamed_text_joins_to_final_text_with_multibyte_characters(engine):
-    chats = [[{"role": "user", "content": "Say hello in Chinese."}],
-             [{"role": "user", "content": "Write the word 'café' three times."}], "日本語のテキスト:"]
+    chats = [
+        [{"role": "user", "content": "Say hello in Chinese."}],
+        [{"role": "user", "content": "Write the word 'café' three times."}],
+        "日本語のテキスト:",
+    ]
     params = SamplingParams(max_new_tokens=16)
     streamed = {}
     finals = {}
@@ -72,9 +82,26 @@ def test_stop_string_is_held_back_and_not_returned(engine):
 
 
 def test_cli_generate_prints_labelled_text(checkpoint):
-    cmd = [sys.executable, "-m", "thunder_batch.cli", "generate", "--prompt", "The capital of France is",
-           "--chat", "What is 2+2?", "--checkpoint_dir", str(checkpoint), "--compile", "eager",
-           "--max_new_tokens", "8", "--max_seq_length", "128", "--prefill_chunk", "16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "thunder_batch.cli",
+        "generate",
+        "--prompt",
+        "The capital of France is",
+        "--chat",
+        "What is 2+2?",
+        "--checkpoint_dir",
+        str(checkpoint),
+        "--compile",
+        "eager",
+        "--max_new_tokens",
+        "8",
+        "--max_seq_length",
+        "128",
+        "--prefill_chunk",
+        "16",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "[1] The capital of France is" in done.stdout and " Paris" in done.stdout

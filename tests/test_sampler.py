@@ -122,9 +122,7 @@ def test_token_depends_only_on_own_row_seed_and_position():
     probe = torch.randn(n, V)  # [n, V] the rows under test
     params = dict(temperature=torch.rand(n) + 0.5, top_k=torch.arange(n) * 3, top_p=torch.rand(n) * 0.5 + 0.5)
     seed, position = torch.randint(0, 2**31, (n,)), torch.randint(0, 4096, (n,))
-    alone = [
-        sample(probe[i : i + 1], *(p[i] for p in params.values()), seed[i], position[i]) for i in range(n)
-    ]
+    alone = [sample(probe[i : i + 1], *(p[i] for p in params.values()), seed[i], position[i]) for i in range(n)]
 
     # The same rows, shuffled into a larger batch among neighbours with other params.
     perm = torch.randperm(n)
@@ -174,9 +172,7 @@ def test_uniforms_strictly_inside_unit_interval_and_bits_balanced():
     assert abs(g.mean().item() - 0.5772) < 0.01  # Euler-Mascheroni: the Gumbel mean
 
 
-@pytest.mark.parametrize(
-    "temperature,top_k,top_p", [(0.5, 0, 1.0), (1.3, 4, 1.0), (1.0, 0, 0.8), (0.8, 6, 0.9)]
-)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, 0, 1.0), (1.3, 4, 1.0), (1.0, 0, 0.8), (0.8, 6, 0.9)])
 def test_empirical_distribution_matches_softmax(temperature, top_k, top_p):
     n_vocab, n = 8, 4000
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])  # [8]
@@ -293,8 +289,7 @@ def test_traced_unfiltered_equals_eager_without_a_sort(thunder):
     n = 8
     for call in range(3):
         logits, temperature, seed, position = temperature_only_batch(n, seed=10 + call)
-        args = (logits, temperature, torch.zeros(n, dtype=torch.int64), torch.ones(n), seed,
-                position + call * 2**31)
+        args = (logits, temperature, torch.zeros(n, dtype=torch.int64), torch.ones(n), seed, position + call * 2**31)
         tok, logp = jf(*args, filtered=False)
         ref_tok, ref_logp = batched_sample(*args, filtered=False)
         assert torch.equal(tok, ref_tok) and torch.equal(logp, ref_logp)

@@ -47,8 +47,20 @@ def test_parse_completion_prompt_forms(prompt, expected):
 
 
 def test_parse_completion_sampling_and_stream_options():
-    raw = body(prompt="x", max_tokens=5, temperature=0, top_p=0.5, top_k=-1, stop=".", seed=3, n=1,
-               stream=True, stream_options={"include_usage": True}, presence_penalty=0, user="u")
+    raw = body(
+        prompt="x",
+        max_tokens=5,
+        temperature=0,
+        top_p=0.5,
+        top_k=-1,
+        stop=".",
+        seed=3,
+        n=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        presence_penalty=0,
+        user="u",
+    )
     job = parse_request(raw, COMPLETION)
     assert job.params == SamplingParams(max_new_tokens=5, temperature=0, top_p=0.5, top_k=None, stop=".", seed=3)
     assert job.stream and job.include_usage
@@ -133,27 +145,37 @@ def greedy(max_tokens: int | None) -> SamplingParams:
 
 def test_engine_api_admits_rejects_and_reports_usage():
     api = tiny_api({})
-    admitted = api.add_requests([
-        ("a", {"prompt": [1, 2, 3, 4, 5], "params": greedy(6)}),
-        ("b", {"prompt": [7] * 30, "params": greedy(6)}),  # 30 + 6 > 32
-        ("c", {"prompt": [7] * 40, "params": greedy(None)}),  # the prompt alone does not fit
-        ("d", {"prompt": [3, 10**6], "params": greedy(2)}),  # the engine's own check
-        ("e", {"prompt": [9, 8], "params": greedy(None)}),  # None: the rest of the cache, 30 tokens
-    ])
+    admitted = api.add_requests(
+        [
+            ("a", {"prompt": [1, 2, 3, 4, 5], "params": greedy(6)}),
+            ("b", {"prompt": [7] * 30, "params": greedy(6)}),  # 30 + 6 > 32
+            ("c", {"prompt": [7] * 40, "params": greedy(None)}),  # the prompt alone does not fit
+            ("d", {"prompt": [3, 10**6], "params": greedy(2)}),  # the engine's own check
+            ("e", {"prompt": [9, 8], "params": greedy(None)}),  # None: the rest of the cache, 30 tokens
+        ]
+    )
     assert [(uid, m["event"], done) for uid, m, done in admitted] == [
-        ("a", "accepted", False), ("b", "error", True), ("c", "error", True), ("d", "error", True),
-        ("e", "accepted", False)]
+        ("a", "accepted", False),
+        ("b", "error", True),
+        ("c", "error", True),
+        ("d", "error", True),
+        ("e", "accepted", False),
+    ]
     assert admitted[0][1]["prompt_tokens"] == 5
     errors = {uid: m["error"] for uid, m, _ in admitted if m["event"] == "error"}
     assert {uid: (e["status"], e["code"], e["param"]) for uid, e in errors.items()} == {
-        "b": (400, "context_length_exceeded", "max_tokens"), "c": (400, "context_length_exceeded", "prompt"),
-        "d": (400, "invalid_value", "prompt")}
+        "b": (400, "context_length_exceeded", "max_tokens"),
+        "c": (400, "context_length_exceeded", "prompt"),
+        "d": (400, "invalid_value", "prompt"),
+    }
     assert "32" in errors["b"]["message"] and "token ids must be in" in errors["d"]["message"]
     finals = {}
     while api.has_active_requests():
         finals.update({uid: m for uid, m, done in api.step() if done})
-    assert finals == {uid: {"event": "delta", "text": "", "finish_reason": "length", "completion_tokens": n}
-                      for uid, n in [("a", 6), ("e", 30)]}
+    assert finals == {
+        uid: {"event": "delta", "text": "", "finish_reason": "length", "completion_tokens": n}
+        for uid, n in [("a", 6), ("e", 30)]
+    }
     [(_, stats, _)] = api.add_requests([("s", {"stats": True})])
     assert stats["stats"]["free_slots"] == 2 and stats["stats"]["running"] == 0 and stats["stats"]["in_flight"] == 0
 
@@ -273,8 +295,17 @@ def test_completion_stream_stops_at_stop_string(server, offline):
     prompt = "The capital of France is"
     [want] = offline([prompt], 8, stop=["."])
     assert want.finish_reason == "stop" and "." not in want.text
-    chunks = list(server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
-                                                     stop=["."], stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        server.client().completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            stop=["."],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
@@ -287,8 +318,9 @@ def test_chat_stream_and_not_equal_offline(server, offline):
     [want] = offline([messages], 6)
     client = server.client()
     kw = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0)
-    full, chunks = in_parallel(lambda: client.chat.completions.create(**kw),
-                               lambda: list(client.chat.completions.create(**kw, stream=True)))
+    full, chunks = in_parallel(
+        lambda: client.chat.completions.create(**kw), lambda: list(client.chat.completions.create(**kw, stream=True))
+    )
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
     assert full.choices[0].message.content == want.text and full.choices[0].finish_reason == want.finish_reason
     assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(want.prompt_ids), len(want.token_ids))
@@ -307,8 +339,11 @@ def test_seed_top_k_top_p_reach_the_sampler(server, offline):
         return client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, **kw).choices[0].text
 
     seeded_a, seeded_b, top_k_1, tiny_top_p = in_parallel(
-        lambda: text(temperature=1.5, seed=7), lambda: text(temperature=1.5, seed=7),
-        lambda: text(temperature=1.5, extra_body={"top_k": 1}), lambda: text(temperature=1.5, top_p=1e-6))
+        lambda: text(temperature=1.5, seed=7),
+        lambda: text(temperature=1.5, seed=7),
+        lambda: text(temperature=1.5, extra_body={"top_k": 1}),
+        lambda: text(temperature=1.5, top_p=1e-6),
+    )
     assert seeded_a == seeded_b  # the same seed gives the same text, whatever the batch
     assert top_k_1 == tiny_top_p == greedy.text
 
@@ -317,9 +352,22 @@ def test_seed_top_k_top_p_reach_the_sampler(server, offline):
 def test_example_client(server, offline):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     [want] = offline([messages], 4)
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "openai_client.py"), "--base-url",
-                          server.url + "/v1", "--api-key", KEY, "--max-tokens", "4"],
-                         capture_output=True, text=True, timeout=600, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "openai_client.py"),
+            "--base-url",
+            server.url + "/v1",
+            "--api-key",
+            KEY,
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
     lines = out.splitlines()
     assert lines[0] == f"model: {MODEL}"
     assert lines[1].startswith(f"chat: {want.text!r} (finish_reason={want.finish_reason}")
@@ -346,8 +394,10 @@ def test_bad_input_gets_4xx_and_others_keep_going(server, offline):
     client = server.client()
 
     def good() -> str:
-        return "".join(c.choices[0].text for c in client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True))
+        return "".join(
+            c.choices[0].text
+            for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        )
 
     def bad() -> list:
         return in_parallel(*[lambda path=path, raw=raw: server.post(path, raw) for path, raw, *_ in HTTP_BAD])
@@ -379,8 +429,9 @@ def test_disconnect_aborts_and_frees_slots(server):
     before = server.stats()["generated_tokens"]
 
     def start_stream(i: int):
-        stream = client.completions.create(model=MODEL, prompt=f"Count to a hundred: {i},", max_tokens=100,
-                                           temperature=0, stream=True)
+        stream = client.completions.create(
+            model=MODEL, prompt=f"Count to a hundred: {i},", max_tokens=100, temperature=0, stream=True
+        )
         next(iter(stream))  # it is generating
         return stream
 
@@ -399,8 +450,10 @@ def test_disconnect_aborts_and_frees_slots(server):
 def test_16_clients_100_requests(server, offline):
     max_tokens = 6
     texts = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Water boils at", "My favourite colour is"]
-    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}]
-             for q in ("Name a fruit.", "What is 2+2?")]
+    chats = [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}]
+        for q in ("Name a fruit.", "What is 2+2?")
+    ]
     wants = offline(texts + chats, max_tokens)
     client = server.client()
 

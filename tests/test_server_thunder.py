@@ -16,8 +16,14 @@ import pytest
 from live_server import ROOT, Server
 
 ENGINE = dict(batch_size=4, max_seq_length=64, prefill_chunk=8)
-PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time", "def fib(n):", "Water boils at",
-           "The quick brown fox"]
+PROMPTS = [
+    "The capital of France is",
+    "1, 2, 3, 4,",
+    "Once upon a time",
+    "def fib(n):",
+    "Water boils at",
+    "The quick brown fox",
+]
 MAX_TOKENS = 8
 
 
@@ -38,8 +44,9 @@ def two_layer_checkpoint(tmp_path_factory) -> Path:
         shutil.copy(source / name, out / name)
     save_config(Config.from_file(source / "model_config.yaml", n_layer=2), out)
     state = torch.load(source / "lit_model.pth", mmap=True, weights_only=True)
-    keep = {k: v.clone() for k, v in state.items()
-            if not k.startswith("transformer.h.") or k.split(".")[2] in ("0", "1")}
+    keep = {
+        k: v.clone() for k, v in state.items() if not k.startswith("transformer.h.") or k.split(".")[2] in ("0", "1")
+    }
     torch.save(keep, out / "lit_model.pth")
     return out
 
@@ -54,6 +61,7 @@ def expected(two_layer_checkpoint) -> list[str]:
 
 def completions(server: Server) -> list[str]:
     """All prompts at once from parallel clients (more requests than slots), greedy."""
+
     def one(prompt: str) -> str:
         reply = server.client().completions.create(model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert reply.usage.completion_tokens == MAX_TOKENS

@@ -68,9 +68,7 @@ def test_no_sequences_never_stops_and_duplicates_are_merged():
     assert m.max_len == 2
 
 
-@pytest.mark.parametrize(
-    "bad", [[[]], [[1, -1]], [[1, 2.0]], [[True]], [[None]], ["ab"], [[1, "2"]]]
-)
+@pytest.mark.parametrize("bad", [[[]], [[1, -1]], [[1, 2.0]], [[True]], [[None]], ["ab"], [[1, "2"]]])
 def test_matcher_rejects_bad_sequences(bad):
     with pytest.raises(ValueError, match="token ids"):
         StopSequenceMatcher(bad)

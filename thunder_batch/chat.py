@@ -40,8 +40,9 @@ def apply_chat(style: PromptStyle, messages) -> str:
         body = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in turns)
         return f"{head}{body}<|im_start|>assistant\n"
     if len(turns) != 1:
-        raise ValueError(f"the {type(style).__name__} prompt style supports a single user turn "
-                         f"(plus system), got {len(turns)} turns")
+        raise ValueError(
+            f"the {type(style).__name__} prompt style supports a single user turn (plus system), got {len(turns)} turns"
+        )
     return style.apply(turns[0]["content"], sys_prompt=system)
 
 

@@ -64,8 +64,13 @@ class EngineOptions(ModelOptions):
     def engine_config(self):
         from thunder_batch.config import EngineConfig
 
-        return EngineConfig(batch_size=self.batch_size, max_seq_length=self.max_seq_length,
-                            prefill_chunk=self.prefill_chunk, compile=self.compile, cache_dir=self.cache_dir)
+        return EngineConfig(
+            batch_size=self.batch_size,
+            max_seq_length=self.max_seq_length,
+            prefill_chunk=self.prefill_chunk,
+            compile=self.compile,
+            cache_dir=self.cache_dir,
+        )
 
     def load_engine(self, device="cpu"):
         """An Engine over the checkpoint's weights, tokenizer and prompt style (not yet warmed up)."""

@@ -26,8 +26,9 @@ class ContextLengthError(ValueError):
 
     def __init__(self, prompt_tokens: int, max_new_tokens: int | None, max_seq_length: int) -> None:
         wanted = "at least 1" if max_new_tokens is None else max_new_tokens
-        super().__init__(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({wanted}) "
-                         f"exceeds max_seq_length ({max_seq_length})")
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({wanted}) exceeds max_seq_length ({max_seq_length})"
+        )
         self.prompt_tokens, self.max_new_tokens, self.max_seq_length = prompt_tokens, max_new_tokens, max_seq_length
 
 
@@ -99,8 +100,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None:
             _require_int("max_new_tokens", self.max_new_tokens, 1)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise ParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None:
             _require_int("top_k", self.top_k, 0)
@@ -109,8 +114,9 @@ class SamplingParams:
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ParamError("seed", f"seed must be None or an int in [0, {MAX_SEED}], got {self.seed!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ParamError("stop_token_ids",
-                             f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
+            raise ParamError(
+                "stop_token_ids", f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}"
+            )
         try:
             strings, sequences = normalize_stop(self.stop)
         except ValueError as e:

@@ -157,8 +157,9 @@ class Engine:
         return outputs
 
     # -- loops over step() --------------------------------------------------------------------
-    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[GenerationResult]:
+    def generate(
+        self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
         """Run prompts to completion (more prompts than slots is fine); results in prompt order."""
         ids = self._add_all(prompts, params)
         requests = [self.scheduler.find(i) for i in ids]
@@ -166,8 +167,9 @@ class Engine:
             self.step()
         return [r.result() for r in requests]
 
-    def stream(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
-               ) -> Iterator[StepOutput]:
+    def stream(
+        self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[StepOutput]:
         """Yield StepOutputs of these prompts as steps produce them; aborts leftovers if closed early."""
         ids = self._add_all(prompts, params)
         live = set(ids)
@@ -202,8 +204,13 @@ class Engine:
         whatever the traffic), `programs` (per piece: prefix, block, head variants),
         `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache), and
         `compile_seconds` (per piece: `compile_seconds_by_piece`)."""
-        return dict(self._counters, **program_stats(self.runner.step_fn), step_widths=list(self.config.step_widths),
-                    running=self.scheduler.num_running(), waiting=len(self.scheduler.waiting))
+        return dict(
+            self._counters,
+            **program_stats(self.runner.step_fn),
+            step_widths=list(self.config.step_widths),
+            running=self.scheduler.num_running(),
+            waiting=len(self.scheduler.waiting),
+        )
 
 
 def is_chat(prompt) -> bool:

@@ -47,8 +47,14 @@ def generate(
     engine = EngineOptions(**options).load_engine()
     err.print(f"loaded model in {time.perf_counter() - start:.1f}s")
     compile_s = sum(engine.warmup(progress=True).values())
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, stop=list(stop or []))
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=list(stop or []),
+    )
     try:
         ids = [engine.add_request(p, params) for p in prompts]
     except ValueError as e:
@@ -80,8 +86,9 @@ def _stream(engine, labels: dict, out: Console) -> dict:
                 if o.finished:
                     reasons[o.request_id] = o.finish_reason
                     if not out.is_terminal:
-                        print(f"{labels[o.request_id]}\n{texts[o.request_id]}\n(finish: {o.finish_reason})\n",
-                              flush=True)
+                        print(
+                            f"{labels[o.request_id]}\n{texts[o.request_id]}\n(finish: {o.finish_reason})\n", flush=True
+                        )
             if live is not None:
                 live.update(render())
     return texts
@@ -100,7 +107,9 @@ def _report(err: Console, engine, texts: dict, compile_s: float, elapsed: float)
     tokens = stats["generated_tokens"]
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rate = tokens / max(elapsed, 1e-9)
-    err.print(f"{len(texts)} prompts, {tokens} tokens in {elapsed:.2f}s ({rate:.1f} tokens/s), {stats['steps']} steps; "
-              f"compile {compile_s:.1f}s ({stats['traced']} pieces traced, {stats['disk_cache_hits']} from disk); "
-              f"peak RSS {peak_rss_mb:.0f} MiB")
+    err.print(
+        f"{len(texts)} prompts, {tokens} tokens in {elapsed:.2f}s ({rate:.1f} tokens/s), {stats['steps']} steps; "
+        f"compile {compile_s:.1f}s ({stats['traced']} pieces traced, {stats['disk_cache_hits']} from disk); "
+        f"peak RSS {peak_rss_mb:.0f} MiB"
+    )
     print(file=sys.stderr, flush=True)

@@ -108,21 +108,41 @@ def check_config_matches(reader: gguf.GGUFReader, config: litgpt.Config) -> None
     pairs = [  # (GGUF key, GGUF value, config field, config value)
         ("block_count", read_field(reader, f"{a}.block_count"), "n_layer", config.n_layer),
         ("embedding_length", read_field(reader, f"{a}.embedding_length"), "n_embd", config.n_embd),
-        ("feed_forward_length", read_field(reader, f"{a}.feed_forward_length"), "intermediate_size",
-         config.intermediate_size),
+        (
+            "feed_forward_length",
+            read_field(reader, f"{a}.feed_forward_length"),
+            "intermediate_size",
+            config.intermediate_size,
+        ),
         ("attention.head_count", n_head, "n_head", config.n_head),
         # llama.cpp defaults the KV head count to the head count when the key is absent.
-        ("attention.head_count_kv", read_field(reader, f"{a}.attention.head_count_kv", n_head), "n_query_groups",
-         config.n_query_groups),
+        (
+            "attention.head_count_kv",
+            read_field(reader, f"{a}.attention.head_count_kv", n_head),
+            "n_query_groups",
+            config.n_query_groups,
+        ),
         ("rope.freq_base", read_field(reader, f"{a}.rope.freq_base", 10000.0), "rope_base", config.rope_base),
-        ("attention.layer_norm_rms_epsilon", read_field(reader, f"{a}.attention.layer_norm_rms_epsilon"),
-         "norm_eps", config.norm_eps),
-        ("rope.dimension_count", read_field(reader, f"{a}.rope.dimension_count", config.head_size), "rope_n_elem",
-         config.rope_n_elem),
+        (
+            "attention.layer_norm_rms_epsilon",
+            read_field(reader, f"{a}.attention.layer_norm_rms_epsilon"),
+            "norm_eps",
+            config.norm_eps,
+        ),
+        (
+            "rope.dimension_count",
+            read_field(reader, f"{a}.rope.dimension_count", config.head_size),
+            "rope_n_elem",
+            config.rope_n_elem,
+        ),
         ("context_length", read_field(reader, f"{a}.context_length"), "block_size", config.block_size),
         ("vocab_size", n_vocab, "vocab_size", config.vocab_size),
-        ("rope.scaling.type", read_field(reader, f"{a}.rope.scaling.type", "none"), "rope_adjustments",
-         "none" if config.rope_adjustments is None else config.rope_adjustments),
+        (
+            "rope.scaling.type",
+            read_field(reader, f"{a}.rope.scaling.type", "none"),
+            "rope_adjustments",
+            "none" if config.rope_adjustments is None else config.rope_adjustments,
+        ),
     ]
     bad = [f"{field}={cv!r} but GGUF {a}.{key}={gv!r}" for key, gv, field, cv in pairs if not _same(gv, cv)]
     if bad:
@@ -199,8 +219,9 @@ def check_state_dict(state: dict[str, torch.Tensor], config: litgpt.Config) -> N
     got = {k: tuple(v.shape) for k, v in state.items()}
     if got != expected:
         missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-        shapes = [f"{k}: {got[k]} != {expected[k]}" for k in sorted(expected.keys() & got.keys())
-                  if got[k] != expected[k]]
+        shapes = [
+            f"{k}: {got[k]} != {expected[k]}" for k in sorted(expected.keys() & got.keys()) if got[k] != expected[k]
+        ]
         raise ValueError(
             f"converted weights do not fit {config.name!r}: missing {missing}, unexpected {extra}, shapes {shapes}"
         )
@@ -241,8 +262,12 @@ def tokenizer_config(reader: gguf.GGUFReader, config: litgpt.Config) -> dict:
     """HF-style tokenizer_config.json; litgpt reads tokenizer_class, bos_token and eos_token."""
     tokens = read_field(reader, "tokenizer.ggml.tokens")
     types = read_field(reader, "tokenizer.ggml.token_type", [])
-    cfg: dict = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False,
-                 "clean_up_tokenization_spaces": False, "model_max_length": config.block_size}
+    cfg: dict = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config.block_size,
+    }
     for name in ("bos", "eos", "unknown", "padding"):
         if (i := read_field(reader, f"tokenizer.ggml.{name}_token_id")) is not None:
             cfg[{"unknown": "unk_token", "padding": "pad_token"}.get(name, f"{name}_token")] = tokens[i]
@@ -251,9 +276,16 @@ def tokenizer_config(reader: gguf.GGUFReader, config: litgpt.Config) -> dict:
     if (template := read_field(reader, "tokenizer.chat_template")) is not None:
         cfg["chat_template"] = template
     cfg["added_tokens_decoder"] = {
-        str(i): {"content": tokens[i], "special": ty == _TOKEN_CONTROL, "normalized": False,
-                 "lstrip": False, "rstrip": False, "single_word": False}
-        for i, ty in enumerate(types) if ty in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+        str(i): {
+            "content": tokens[i],
+            "special": ty == _TOKEN_CONTROL,
+            "normalized": False,
+            "lstrip": False,
+            "rstrip": False,
+            "single_word": False,
+        }
+        for i, ty in enumerate(types)
+        if ty in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
     }
     return cfg
 

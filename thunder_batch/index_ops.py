@@ -45,7 +45,7 @@ def index_copy_2d(t: torch.Tensor, dim: int, idx: torch.Tensor, val: torch.Tenso
         raise ValueError("index_copy_2d writes through a flat view: t must be contiguous")
     B, T = idx.shape
     S, P = t.shape[dim], math.prod(t.shape[1:dim])
-    post = t.shape[dim + 1:]
+    post = t.shape[dim + 1 :]
     row_base = torch.arange(B * P, device=idx.device).view(B, P, 1) * S  # [B, P, 1]: first row of (b, p)
     rows = (row_base + idx.view(B, 1, T)).reshape(B * P * T)  # [B*P*T]
     t.view(B * P * S, *post).index_copy_(0, rows, val.reshape(B * P * T, *post))

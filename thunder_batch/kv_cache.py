@@ -17,8 +17,15 @@ class SlotKVCache(nn.Module):
     the position-derived mask hides whatever a previous request left behind.
     """
 
-    def __init__(self, batch_size: int, n_kv_heads: int, length: int, head_size: int,
-                 dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        n_kv_heads: int,
+        length: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         shape = (batch_size, n_kv_heads, length, head_size)
         # Created in the final dtype up front: rebinding a buffer inside a traced step is lost.

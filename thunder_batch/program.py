@@ -71,8 +71,9 @@ class StepHead(nn.Module):
         # The RNG is keyed by the sampled token's own position: independent of slot and batch-mates.
         if self.variant == "greedy":
             return greedy_sample(logits)
-        return batched_sample(logits, temperature, top_k, top_p, seed, last_pos + 1,
-                              filtered=self.variant == "filtered")
+        return batched_sample(
+            logits, temperature, top_k, top_p, seed, last_pos + 1, filtered=self.variant == "filtered"
+        )
 
 
 class StepProgram(nn.Module):
@@ -86,8 +87,9 @@ class StepProgram(nn.Module):
         self.heads = nn.ModuleDict({variant: StepHead(gpt, variant) for variant in HEADS})
 
     def forward(self, idx, input_pos, last_idx, temperature, top_k, top_p, seed, head: str = "filtered"):
-        return run_step(self.prefix, list(self.blocks), self.heads[head],
-                        idx, input_pos, last_idx, temperature, top_k, top_p, seed)
+        return run_step(
+            self.prefix, list(self.blocks), self.heads[head], idx, input_pos, last_idx, temperature, top_k, top_p, seed
+        )
 
 
 def run_step(prefix, blocks, head, idx, input_pos, last_idx, temperature, top_k, top_p, seed):

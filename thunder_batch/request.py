@@ -38,8 +38,15 @@ class Request:
     """One request's tokens and stop state. Tokens are released to callers only once no
     stop sequence can still claim them (held back while a stop might be forming)."""
 
-    def __init__(self, request_id, prompt_ids: list[int], params: SamplingParams, seed: int,
-                 eos_ids: frozenset[int] = frozenset(), detokenizer=None) -> None:
+    def __init__(
+        self,
+        request_id,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        eos_ids: frozenset[int] = frozenset(),
+        detokenizer=None,
+    ) -> None:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -66,7 +73,7 @@ class Request:
         start = self.num_cached
         if start < len(self.prompt_ids):
             return self.prompt_ids[start:]
-        return self.output_ids[start - len(self.prompt_ids):]
+        return self.output_ids[start - len(self.prompt_ids) :]
 
     def append(self, token_id: int, logprob: float) -> StepOutput:
         """Record one sampled token, apply stops and length, and release what is safe."""
@@ -91,16 +98,17 @@ class Request:
         return self._release(len(self.output_ids))
 
     def result(self) -> GenerationResult:
-        return GenerationResult(self.request_id, self.prompt_ids, list(self.output_ids), self.text,
-                                self.finish_reason, list(self.logprobs))
+        return GenerationResult(
+            self.request_id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason, list(self.logprobs)
+        )
 
     def _drop_last(self, n: int) -> None:
-        del self.output_ids[len(self.output_ids) - n:]
-        del self.logprobs[len(self.logprobs) - n:]
+        del self.output_ids[len(self.output_ids) - n :]
+        del self.logprobs[len(self.logprobs) - n :]
 
     def _release(self, upto: int) -> StepOutput:
-        new_ids = self.output_ids[self._num_released:upto]
-        new_logprobs = self.logprobs[self._num_released:upto]
+        new_ids = self.output_ids[self._num_released : upto]
+        new_logprobs = self.logprobs[self._num_released : upto]
         self._num_released = max(self._num_released, upto)
         text = self._release_text(new_ids) if self._detok is not None else None
         return StepOutput(self.request_id, new_ids, text, self.finished, self.finish_reason, new_logprobs)

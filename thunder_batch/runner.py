@@ -35,8 +35,10 @@ class Runner:
     def __init__(self, gpt: torch.nn.Module, config: EngineConfig) -> None:
         check_supported(gpt.config)
         if config.max_seq_length > gpt.config.block_size:
-            raise ValueError(f"max_seq_length ({config.max_seq_length}) exceeds the model's context "
-                             f"length (block_size {gpt.config.block_size})")
+            raise ValueError(
+                f"max_seq_length ({config.max_seq_length}) exceeds the model's context "
+                f"length (block_size {gpt.config.block_size})"
+            )
         self.config = config
         self.device = gpt.lm_head.weight.device
         gpt.max_seq_length = config.max_seq_length
@@ -65,10 +67,14 @@ class Runner:
             top_k[w.slot], seed[w.slot] = params.top_k or 0, w.request.seed
         long, dev = torch.int64, self.device
         return StepInputs(
-            torch.tensor(idx, dtype=long, device=dev), torch.tensor(pos, dtype=long, device=dev),
-            torch.tensor(last, dtype=long, device=dev), torch.tensor(temperature, dtype=torch.float32, device=dev),
-            torch.tensor(top_k, dtype=long, device=dev), torch.tensor(top_p, dtype=torch.float32, device=dev),
-            torch.tensor(seed, dtype=long, device=dev))
+            torch.tensor(idx, dtype=long, device=dev),
+            torch.tensor(pos, dtype=long, device=dev),
+            torch.tensor(last, dtype=long, device=dev),
+            torch.tensor(temperature, dtype=torch.float32, device=dev),
+            torch.tensor(top_k, dtype=long, device=dev),
+            torch.tensor(top_p, dtype=torch.float32, device=dev),
+            torch.tensor(seed, dtype=long, device=dev),
+        )
 
     def warmup(self, progress: bool = False) -> dict[int, float]:
         """Run every step width once with all slots empty (padding writes only scratch entries), so
@@ -78,8 +84,13 @@ class Runner:
         from tqdm import tqdm
 
         seconds = {}
-        widths = tqdm(self.config.step_widths, desc=f"compiling ({self.config.compile})", unit="shape",
-                      disable=not progress, file=sys.stderr)
+        widths = tqdm(
+            self.config.step_widths,
+            desc=f"compiling ({self.config.compile})",
+            unit="shape",
+            disable=not progress,
+            file=sys.stderr,
+        )
         for width in widths:
             start = time.perf_counter()
             for head in self.head_variants:  # with and without the top-k/top-p sort, greedy
@@ -98,7 +109,7 @@ class Runner:
 
 
 def head_for(plan: StepPlan) -> str:
-    """"greedy" when no slot that samples this step has temperature > 0, "filtered" when one of
+    """ "greedy" when no slot that samples this step has temperature > 0, "filtered" when one of
     those uses top-k or top-p, else "unfiltered". Slots still prefilling sample nothing that counts."""
     sampling = [w.request.params for w in plan.work if w.samples and w.request.params.temperature > 0]
     if not sampling:

@@ -70,8 +70,14 @@ def filter_top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 
 def batched_sample(
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, position: Tensor,
-    *, filtered: bool = True,
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    seed: Tensor,
+    position: Tensor,
+    *,
+    filtered: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """logits[B, V] float (any float dtype; compute in float32), temperature[B] float32 (0 = greedy),
     top_k[B] int64 (0 = no top-k), top_p[B] float32 in (0, 1] (1 = off), seed[B] int64 (>= 0, < 2**31),

@@ -50,8 +50,10 @@ def versions() -> dict[str, str]:
 def version_line(found: dict[str, str]) -> str:
     thunder, pin = found["lightning-thunder"], found["lightning-thunder (pinned)"]
     note = "the pinned version" if thunder == pin else f"pinned: {pin}"
-    return (f"lightning-thunder {thunder} ({note}), torch {found['torch']}, litgpt {found['litgpt']}, "
-            f"python {found['python']}")
+    return (
+        f"lightning-thunder {thunder} ({note}), torch {found['torch']}, litgpt {found['litgpt']}, "
+        f"python {found['python']}"
+    )
 
 
 def junit_counts(path: Path) -> dict:
@@ -96,10 +98,14 @@ def verdict(status: int, counts: dict) -> tuple[bool, str]:
 
 
 def summary_block(found: dict, counts: dict, ok: bool, why: str, seconds: float) -> str:
-    lines = ["", "=" * 78, f"NIGHTLY THUNDER REGRESSION: {'PASS' if ok else 'FAIL'} ({why})",
-             f"tested: {version_line(found)}",
-             f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
-             f"{counts['skipped']} skipped in {seconds:.0f} s"]
+    lines = [
+        "",
+        "=" * 78,
+        f"NIGHTLY THUNDER REGRESSION: {'PASS' if ok else 'FAIL'} ({why})",
+        f"tested: {version_line(found)}",
+        f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
+        f"{counts['skipped']} skipped in {seconds:.0f} s",
+    ]
     lines += [f"  FAILED {test_id}" for test_id in counts["failing"]]
     lines.append("=" * 78)
     return "\n".join(lines)

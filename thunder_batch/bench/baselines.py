@@ -31,8 +31,15 @@ def run_litgpt_sequential(gpt, workload: list[BenchRequest], ctx: BenchContext) 
             wait_until(t0 + r.arrival_s)
             trace = traces[r.index] = RequestTrace(len(r.prompt_ids), t0 + r.arrival_s)
             prompt = torch.tensor(r.prompt_ids, device=ctx.device)
-            for token in generate_fn(model, prompt, len(r.prompt_ids) + r.max_new_tokens, temperature=0.0,
-                                     stop_tokens=ctx.stop_tokens, include_prompt=False, include_eos=False):
+            for token in generate_fn(
+                model,
+                prompt,
+                len(r.prompt_ids) + r.max_new_tokens,
+                temperature=0.0,
+                stop_tokens=ctx.stop_tokens,
+                include_prompt=False,
+                include_eos=False,
+            ):
                 trace.record(token.view(-1).tolist(), time.perf_counter())
             bar.update(1)
         wall = time.perf_counter() - t0
@@ -56,9 +63,15 @@ def run_litgpt_batched(gpt, workload: list[BenchRequest], batch_size: int, ctx: 
             model.set_kv_cache(batch_size=len(group), device=ctx.device)
             prompts = torch.tensor([r.prompt_ids for r in group], device=ctx.device)
             longest = len(group[0].prompt_ids) + max(r.max_new_tokens for r in group)
-            for row_tokens in batched_generate_fn(model, prompts, longest, sample_args=dict(temperature=0.0),
-                                                  stop_tokens=ctx.stop_tokens, include_prompt=False,
-                                                  include_eos=False):
+            for row_tokens in batched_generate_fn(
+                model,
+                prompts,
+                longest,
+                sample_args=dict(temperature=0.0),
+                stop_tokens=ctx.stop_tokens,
+                include_prompt=False,
+                include_eos=False,
+            ):
                 now = time.perf_counter()
                 for r, token in zip(group, row_tokens):
                     trace = traces[r.index]
@@ -67,7 +80,16 @@ def run_litgpt_batched(gpt, workload: list[BenchRequest], batch_size: int, ctx: 
             bar.update(len(group))
         wall = time.perf_counter() - t0
     sizes = [len(g) for g in groups]
-    note = (f"batched_generate_fn takes same-length prompts only: {len(groups)} groups "
-            f"(mean size {sum(sizes) / len(sizes):.2f}, max {max(sizes)}) of {len(workload)} requests")
-    return SystemRun("litgpt-batched", batch_size, [traces[r.index] for r in workload], wall, memory.as_dict(),
-                     notes=[note], extra=dict(groups=len(groups), mean_group_size=sum(sizes) / len(sizes)))
+    note = (
+        f"batched_generate_fn takes same-length prompts only: {len(groups)} groups "
+        f"(mean size {sum(sizes) / len(sizes):.2f}, max {max(sizes)}) of {len(workload)} requests"
+    )
+    return SystemRun(
+        "litgpt-batched",
+        batch_size,
+        [traces[r.index] for r in workload],
+        wall,
+        memory.as_dict(),
+        notes=[note],
+        extra=dict(groups=len(groups), mean_group_size=sum(sizes) / len(sizes)),
+    )

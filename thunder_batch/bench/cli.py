@@ -82,13 +82,32 @@ def bench(
     model = ModelOptions(**model)  # the engine's shape options are bench's own: it sweeps batch sizes
     checkpoint_dir = default_checkpoint_dir() if model.checkpoint_dir is None else model.checkpoint_dir
     gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=model.dtype, device=device)
-    run_benchmark(gpt, tokenizer, prompt_style_for(config, checkpoint_dir),
-                  model_label=Path(checkpoint_dir).name, **options)
+    run_benchmark(
+        gpt, tokenizer, prompt_style_for(config, checkpoint_dir), model_label=Path(checkpoint_dir).name, **options
+    )
 
 
-RUN_OPTIONS = ("dataset", "num_requests", "max_new_tokens", "input_len", "range_ratio", "batch_size", "prefill_chunk",
-               "max_seq_length", "request_rate", "seed", "ignore_eos", "systems", "precisions", "cache_dir",
-               "warm_compile", "profile", "output_json", "plot", "progress")
+RUN_OPTIONS = (
+    "dataset",
+    "num_requests",
+    "max_new_tokens",
+    "input_len",
+    "range_ratio",
+    "batch_size",
+    "prefill_chunk",
+    "max_seq_length",
+    "request_rate",
+    "seed",
+    "ignore_eos",
+    "systems",
+    "precisions",
+    "cache_dir",
+    "warm_compile",
+    "profile",
+    "output_json",
+    "plot",
+    "progress",
+)
 
 
 def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
@@ -127,11 +146,20 @@ def make_workload(gpt, tokenizer, prompt_style, opts: dict):
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(apply_chat(prompt_style, [dict(role="user", content=text)])).tolist()
+
     limit = opts["max_seq_length"] or gpt.config.block_size
-    workload = build_workload(opts["dataset"], opts["num_requests"], opts["max_new_tokens"], seed=opts["seed"],
-                              input_len=opts["input_len"], range_ratio=opts["range_ratio"],
-                              request_rate=opts["request_rate"], vocab_size=gpt.config.padded_vocab_size,
-                              encode=None if tokenizer is None else encode, max_seq_length=limit)
+    workload = build_workload(
+        opts["dataset"],
+        opts["num_requests"],
+        opts["max_new_tokens"],
+        seed=opts["seed"],
+        input_len=opts["input_len"],
+        range_ratio=opts["range_ratio"],
+        request_rate=opts["request_rate"],
+        vocab_size=gpt.config.padded_vocab_size,
+        encode=None if tokenizer is None else encode,
+        max_seq_length=limit,
+    )
     max_seq_length = opts["max_seq_length"] or min(fitted_max_seq_length(workload), gpt.config.block_size)
     return workload, max_seq_length
 
@@ -179,29 +207,54 @@ def write_result(runs, models, workload, ctx, opts, peaks, skipped, model_label,
     from thunder_batch.bench.report import machine_info, write_json
 
     result = assemble(runs, models, workload, ctx, opts, peaks, skipped, model_label)
-    result["meta"] = dict(machine_info(ctx.device), started_unix=started, duration_s=time.time() - started,
-                          command=" ".join(sys.argv))
+    result["meta"] = dict(
+        machine_info(ctx.device), started_unix=started, duration_s=time.time() - started, command=" ".join(sys.argv)
+    )
     if opts["output_json"]:
         write_json(result, opts["output_json"])
     return result
 
 
-DEFAULTS = dict(dataset="prompts", num_requests=32, max_new_tokens=64, input_len=128, range_ratio=0.5,
-                batch_size="8", prefill_chunk=64, max_seq_length=None, request_rate=math.inf, seed=0,
-                ignore_eos=False, systems=",".join(ALL_SYSTEMS), precisions=None, cache_dir=None, warm_compile=True,
-                profile=False, output_json=None, plot=None, progress=True,
-                matmul_n=2048, copy_mb=256)  # sizes of the peak-rate measurements (small in tests)
+DEFAULTS = dict(
+    dataset="prompts",
+    num_requests=32,
+    max_new_tokens=64,
+    input_len=128,
+    range_ratio=0.5,
+    batch_size="8",
+    prefill_chunk=64,
+    max_seq_length=None,
+    request_rate=math.inf,
+    seed=0,
+    ignore_eos=False,
+    systems=",".join(ALL_SYSTEMS),
+    precisions=None,
+    cache_dir=None,
+    warm_compile=True,
+    profile=False,
+    output_json=None,
+    plot=None,
+    progress=True,
+    matmul_n=2048,
+    copy_mb=256,
+)  # sizes of the peak-rate measurements (small in tests)
 
 
 def make_context(gpt, tokenizer, opts: dict, max_seq_length: int):
     from thunder_batch.bench.system import BenchContext
 
-    return BenchContext(device=gpt.lm_head.weight.device, max_seq_length=max_seq_length,
-                        prefill_chunk=min(opts["prefill_chunk"], max_seq_length),
-                        eos_id=getattr(tokenizer, "eos_id", None), ignore_eos=opts["ignore_eos"], tokenizer=tokenizer,
-                        progress=opts["progress"],
-                        cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
-                        warm_compile=opts["warm_compile"], profile=opts["profile"])
+    return BenchContext(
+        device=gpt.lm_head.weight.device,
+        max_seq_length=max_seq_length,
+        prefill_chunk=min(opts["prefill_chunk"], max_seq_length),
+        eos_id=getattr(tokenizer, "eos_id", None),
+        ignore_eos=opts["ignore_eos"],
+        tokenizer=tokenizer,
+        progress=opts["progress"],
+        cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
+        warm_compile=opts["warm_compile"],
+        profile=opts["profile"],
+    )
 
 
 def measure_peaks(device, precisions: list[str], matmul_n: int = 2048, copy_mb: int = 256) -> dict:
@@ -211,8 +264,12 @@ def measure_peaks(device, precisions: list[str], matmul_n: int = 2048, copy_mb: 
     from thunder_batch.bench.metrics import measure_copy_bandwidth, measure_peak_matmul_flops
 
     matmul = {p: measure_peak_matmul_flops(device, n=matmul_n, dtype=getattr(torch, p)) for p in precisions}
-    return dict(matmul_flops_per_s=matmul, copy_bytes_per_s=measure_copy_bandwidth(device, nbytes=copy_mb * 2**20),
-                matmul_shape=f"{matmul_n}x{matmul_n}x{matmul_n}", copy_bytes=copy_mb * 2**20)
+    return dict(
+        matmul_flops_per_s=matmul,
+        copy_bytes_per_s=measure_copy_bandwidth(device, nbytes=copy_mb * 2**20),
+        matmul_shape=f"{matmul_n}x{matmul_n}x{matmul_n}",
+        copy_bytes=copy_mb * 2**20,
+    )
 
 
 def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_label) -> dict:
@@ -222,24 +279,47 @@ def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_labe
 
     costs = {p: ModelCost.of(gpt) for p, gpt in models.items()}
     # Each decode step's attention reads every slot's whole K and V buffers (masked, not cut).
-    kv_bytes = {p: 2 * c.n_layer * c.kv_width * (ctx.max_seq_length + ctx.prefill_chunk)
-                * models[p].lm_head.weight.element_size() for p, c in costs.items()}
+    kv_bytes = {
+        p: 2
+        * c.n_layer
+        * c.kv_width
+        * (ctx.max_seq_length + ctx.prefill_chunk)
+        * models[p].lm_head.weight.element_size()
+        for p, c in costs.items()
+    }
     metrics = [report.run_metrics(r, costs[r.precision], peaks, kv_bytes[r.precision]) for r in runs]
     reference = report.check_all(runs, metrics)
     table, baseline = report.speedups(metrics)
     cost = next(iter(costs.values()))  # parameter counts do not depend on the precision
     mode = "offline" if math.isinf(opts["request_rate"]) else f"online {opts['request_rate']} req/s"
     label = f"{model_label}, {opts['dataset']}, {len(workload)} requests, {mode}"
-    return dict(workload=dict(describe(workload), label=label, dataset=opts["dataset"], mode=mode,
-                              max_seq_length=ctx.max_seq_length, prefill_chunk=ctx.prefill_chunk,
-                              ignore_eos=ctx.ignore_eos, seed=opts["seed"]),
-                options={k: str(v) if isinstance(v, Path) else v for k, v in opts.items()}, peaks=peaks,
-                model=dict(label=model_label, precisions=list(models), block_linear_params=cost.block_linear_params,
-                           lm_head_params=cost.lm_head_params,
-                           weight_bytes={p: c.weight_bytes for p, c in costs.items()}),
-                runs=metrics, token_reference=reference, speedup_vs_litgpt_sequential=table,
-                litgpt_sequential_baseline=baseline,
-                targets=report.targets(metrics), skipped=skipped)
+    return dict(
+        workload=dict(
+            describe(workload),
+            label=label,
+            dataset=opts["dataset"],
+            mode=mode,
+            max_seq_length=ctx.max_seq_length,
+            prefill_chunk=ctx.prefill_chunk,
+            ignore_eos=ctx.ignore_eos,
+            seed=opts["seed"],
+        ),
+        options={k: str(v) if isinstance(v, Path) else v for k, v in opts.items()},
+        peaks=peaks,
+        model=dict(
+            label=model_label,
+            precisions=list(models),
+            block_linear_params=cost.block_linear_params,
+            lm_head_params=cost.lm_head_params,
+            weight_bytes={p: c.weight_bytes for p, c in costs.items()},
+        ),
+        runs=metrics,
+        token_reference=reference,
+        speedup_vs_litgpt_sequential=table,
+        litgpt_sequential_baseline=baseline,
+        targets=report.targets(metrics),
+        skipped=skipped,
+    )
 
 
 def emit(result: dict, opts: dict) -> None:

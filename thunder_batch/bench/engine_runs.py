@@ -57,10 +57,17 @@ class StepRecorder:
 def engine_config(system: str, batch_size: int, ctx: BenchContext, cache_dir: str | None) -> EngineConfig:
     executors = ENGINE_SYSTEMS[system]
     if executors is None:
-        return EngineConfig(batch_size=batch_size, max_seq_length=ctx.max_seq_length,
-                            prefill_chunk=ctx.prefill_chunk, compile="eager")
-    return EngineConfig(batch_size=batch_size, max_seq_length=ctx.max_seq_length, prefill_chunk=ctx.prefill_chunk,
-                        compile="thunder", executors=executors, cache_dir=cache_dir)
+        return EngineConfig(
+            batch_size=batch_size, max_seq_length=ctx.max_seq_length, prefill_chunk=ctx.prefill_chunk, compile="eager"
+        )
+    return EngineConfig(
+        batch_size=batch_size,
+        max_seq_length=ctx.max_seq_length,
+        prefill_chunk=ctx.prefill_chunk,
+        compile="thunder",
+        executors=executors,
+        cache_dir=cache_dir,
+    )
 
 
 def build_engine(gpt, config: EngineConfig, ctx: BenchContext):
@@ -78,21 +85,27 @@ def compile_engine(gpt, system: str, batch_size: int, ctx: BenchContext):
     seconds = engine.warmup(progress=ctx.progress)
     if config.compile == "eager":
         return engine, dict(first_step_s=sum(seconds.values()), per_width_s=seconds), []
-    info = dict(cold_s=sum(seconds.values()), cold_per_width_s=seconds, traced=engine.stats()["traced"],
-                cache_dir=cache_dir, executors=list(config.executors))
+    info = dict(
+        cold_s=sum(seconds.values()),
+        cold_per_width_s=seconds,
+        traced=engine.stats()["traced"],
+        cache_dir=cache_dir,
+        executors=list(config.executors),
+    )
     not_stored = engine.stats()["not_stored"]
     notes = []
     if not ctx.warm_compile:
         notes.append("warm compile not measured (--warm-compile false)")
     elif not_stored:
-        notes.append(f"warm compile not measured: {not_stored} traced programs could not be stored in the "
-                     "compile cache (a reload would retrace)")
+        notes.append(
+            f"warm compile not measured: {not_stored} traced programs could not be stored in the "
+            "compile cache (a reload would retrace)"
+        )
     else:
         del engine
         engine = build_engine(gpt, config, ctx)
         warm = engine.warmup(progress=ctx.progress)
-        info.update(warm_s=sum(warm.values()), warm_per_width_s=warm,
-                    disk_cache_hits=engine.stats()["disk_cache_hits"])
+        info.update(warm_s=sum(warm.values()), warm_per_width_s=warm, disk_cache_hits=engine.stats()["disk_cache_hits"])
     return engine, info, notes
 
 
@@ -136,8 +149,10 @@ def profile_decode_step(run, batch_size: int, top: int = 12) -> dict:
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in events) or 1
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-    ops = [dict(op=e.key, calls=e.count, self_ms=e.self_cpu_time_total / 1000, fraction=e.self_cpu_time_total / total)
-           for e in events[:top]]
+    ops = [
+        dict(op=e.key, calls=e.count, self_ms=e.self_cpu_time_total / 1000, fraction=e.self_cpu_time_total / total)
+        for e in events[:top]
+    ]
     return dict(batch_size=batch_size, step_ms=1000 * step_s, top_ops=ops)
 
 
@@ -148,12 +163,15 @@ def run_engine(gpt, workload: list[BenchRequest], system: str, batch_size: int, 
         recorder = StepRecorder(engine.runner)
         traces, wall = drive(engine, workload, ctx, f"{system} B={batch_size}")
     stats = engine.stats()
-    extra = dict(engine_stats={k: v for k, v in stats.items() if k != "step_widths"},
-                 recompiled=stats["cache_misses"] > len(engine.config.step_widths))
+    extra = dict(
+        engine_stats={k: v for k, v in stats.items() if k != "step_widths"},
+        recompiled=stats["cache_misses"] > len(engine.config.step_widths),
+    )
     if ctx.profile:
         extra["profile"] = profile_decode_step(recorder.original, batch_size)
     precision = str(gpt.lm_head.weight.dtype).removeprefix("torch.")
-    print(f"[bench] {system} {precision} B={batch_size}: {sum(len(t.token_ids) for t in traces)} tokens in {wall:.1f}s",
-          file=sys.stderr)
+    print(
+        f"[bench] {system} {precision} B={batch_size}: {sum(len(t.token_ids) for t in traces)} tokens in {wall:.1f}s",
+        file=sys.stderr,
+    )
     return SystemRun(system, batch_size, traces, wall, memory.as_dict(), compile_info, recorder.steps, notes, extra)
-

@@ -78,8 +78,15 @@ def throughput_metrics(traces: list[RequestTrace], wall_s: float) -> dict:
     out = sum(len(t.token_ids) for t in traces)
     total = out + sum(t.prompt_len for t in traces)
     wall = max(wall_s, 1e-9)
-    return dict(wall_s=wall_s, output_tokens=out, total_tokens=total, requests=len(traces),
-                output_tokens_per_s=out / wall, total_tokens_per_s=total / wall, requests_per_s=len(traces) / wall)
+    return dict(
+        wall_s=wall_s,
+        output_tokens=out,
+        total_tokens=total,
+        requests=len(traces),
+        output_tokens_per_s=out / wall,
+        total_tokens_per_s=total / wall,
+        requests_per_s=len(traces) / wall,
+    )
 
 
 # -- memory ---------------------------------------------------------------------------------------
@@ -120,8 +127,10 @@ class PeakMemory:
             self.peak_gpu_bytes = torch.cuda.max_memory_allocated(self.device)
 
     def as_dict(self) -> dict:
-        return dict(peak_rss_mb=self.peak_rss_bytes / 2**20,
-                    peak_gpu_mb=None if self.peak_gpu_bytes is None else self.peak_gpu_bytes / 2**20)
+        return dict(
+            peak_rss_mb=self.peak_rss_bytes / 2**20,
+            peak_gpu_mb=None if self.peak_gpu_bytes is None else self.peak_gpu_bytes / 2**20,
+        )
 
 
 # -- FLOPs and bytes ------------------------------------------------------------------------------
@@ -141,8 +150,14 @@ class ModelCost:
         c = gpt.config
         linear = sum(m.weight.numel() for m in gpt.transformer.h.modules() if isinstance(m, torch.nn.Linear))
         params = {id(p): p for p in gpt.parameters()}.values()  # tied weights counted once
-        return cls(linear, gpt.lm_head.weight.numel(), c.n_layer, c.n_head * c.head_size,
-                   c.n_query_groups * c.head_size, sum(p.numel() * p.element_size() for p in params))
+        return cls(
+            linear,
+            gpt.lm_head.weight.numel(),
+            c.n_layer,
+            c.n_head * c.head_size,
+            c.n_query_groups * c.head_size,
+            sum(p.numel() * p.element_size() for p in params),
+        )
 
     def token_flops(self, pos: int) -> float:
         """Forward FLOPs of feeding one token at position `pos` (attends to pos + 1 keys), no lm_head."""
@@ -170,8 +185,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_peak_matmul_flops(device: torch.device | str = "cpu", n: int = 2048, reps: int = 5,
-                              dtype: torch.dtype = torch.float32) -> float:
+def measure_peak_matmul_flops(
+    device: torch.device | str = "cpu", n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32
+) -> float:
     """Best-of-`reps` FLOP/s of an n x n x n matmul (2 n^3 FLOPs): the peak the model's matmuls aim at."""
     device = torch.device(device)
     a = torch.randn(n, n, device=device, dtype=dtype)

@@ -30,21 +30,45 @@ def results_table(result: dict):
     from rich.table import Table
 
     table = Table(title=f"thunder-batch bench: {result['workload']['label']}", show_lines=False)
-    columns = ["system", "prec", "B", "out tok/s", "total tok/s", "req/s", "TTFT ms mean/p50/p99", "TPOT ms",
-               "ITL ms p50/p99",
-               "compile s cold/warm", "peak RSS MB", "occup.", "FLOP/s % peak", "x seq", "greedy tokens"]
+    columns = [
+        "system",
+        "prec",
+        "B",
+        "out tok/s",
+        "total tok/s",
+        "req/s",
+        "TTFT ms mean/p50/p99",
+        "TPOT ms",
+        "ITL ms p50/p99",
+        "compile s cold/warm",
+        "peak RSS MB",
+        "occup.",
+        "FLOP/s % peak",
+        "x seq",
+        "greedy tokens",
+    ]
     for col in columns:
         table.add_column(col, justify="left" if col in ("system", "greedy tokens") else "right")
     for m in result["runs"]:
         ttft, itl = m["ttft_ms"], m["itl_ms"]
         occ = m.get("slot_occupancy")
         table.add_row(
-            m["system"], m["precision"], str(m["batch_size"] or 1), _f(m["output_tokens_per_s"]),
+            m["system"],
+            m["precision"],
+            str(m["batch_size"] or 1),
+            _f(m["output_tokens_per_s"]),
             _f(m["total_tokens_per_s"]),
-            _f(m["requests_per_s"], 2), f"{_f(ttft['mean'], 0)}/{_f(ttft['p50'], 0)}/{_f(ttft['p99'], 0)}",
-            _f(m["tpot_ms"]["mean"]), f"{_f(itl['p50'])}/{_f(itl['p99'])}", _compile(m),
-            _f(m["memory"]["peak_rss_mb"], 0), "-" if occ is None else f"{100 * occ:.0f}%",
-            _f(100 * m["peak_matmul_fraction"]), _f(m.get("speedup", {}).get("vs_litgpt_sequential"), 2), _check(m))
+            _f(m["requests_per_s"], 2),
+            f"{_f(ttft['mean'], 0)}/{_f(ttft['p50'], 0)}/{_f(ttft['p99'], 0)}",
+            _f(m["tpot_ms"]["mean"]),
+            f"{_f(itl['p50'])}/{_f(itl['p99'])}",
+            _compile(m),
+            _f(m["memory"]["peak_rss_mb"], 0),
+            "-" if occ is None else f"{100 * occ:.0f}%",
+            _f(100 * m["peak_matmul_fraction"]),
+            _f(m.get("speedup", {}).get("vs_litgpt_sequential"), 2),
+            _check(m),
+        )
     return table
 
 
@@ -71,9 +95,17 @@ def decode_table(result: dict):
             d = m.get(key)
             if d:
                 label = m["system"] + (" (all slots busy)" if key == "full_decode" else "")
-                table.add_row(label, m["precision"], str(m["batch_size"]), str(d["steps"]), _f(d["mean_step_ms"]),
-                              _f(d["flops_per_s"] / 1e9), _f(100 * d["peak_matmul_fraction"]),
-                              _f(d["bytes_per_s"] / 1e9), _f(100 * d["copy_bandwidth_fraction"]))
+                table.add_row(
+                    label,
+                    m["precision"],
+                    str(m["batch_size"]),
+                    str(d["steps"]),
+                    _f(d["mean_step_ms"]),
+                    _f(d["flops_per_s"] / 1e9),
+                    _f(100 * d["peak_matmul_fraction"]),
+                    _f(d["bytes_per_s"] / 1e9),
+                    _f(100 * d["copy_bandwidth_fraction"]),
+                )
                 break
     return table
 
@@ -88,12 +120,16 @@ def print_report(result: dict, file=None) -> None:
     peaks = result["peaks"]
     matmul = ", ".join(f"{p} {v / 1e9:.1f}" for p, v in peaks["matmul_flops_per_s"].items())
     refs = ", ".join(f"{p}: {ref}" for p, ref in result["token_reference"].items()) or "none"
-    console.print(f"peak matmul GFLOP/s {matmul}; copy bandwidth {peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s "
-                  f"(measured in this run); reference tokens per precision: {refs}")
+    console.print(
+        f"peak matmul GFLOP/s {matmul}; copy bandwidth {peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"(measured in this run); reference tokens per precision: {refs}"
+    )
     base = result.get("litgpt_sequential_baseline")
     if base:
-        console.print(f"x seq: over litgpt-sequential {base['precision']} ({base['output_tokens_per_s']:.1f} tok/s, "
-                      "its fastest precision)")
+        console.print(
+            f"x seq: over litgpt-sequential {base['precision']} ({base['output_tokens_per_s']:.1f} tok/s, "
+            "its fastest precision)"
+        )
     for m in result["runs"]:
         for note in m.get("notes", []):
             console.print(f"note ({m['system']} {m['precision']} B={m['batch_size']}): {note}")
@@ -103,8 +139,10 @@ def print_report(result: dict, file=None) -> None:
         if "profile" in m:
             prof = m["profile"]
             ops = ", ".join(f"{o['op']} {100 * o['fraction']:.0f}%" for o in prof["top_ops"][:6])
-            console.print(f"profile {m['system']} {m['precision']} B={m['batch_size']} decode step "
-                          f"{prof['step_ms']:.0f} ms: {ops}")
+            console.print(
+                f"profile {m['system']} {m['precision']} B={m['batch_size']} decode step "
+                f"{prof['step_ms']:.0f} ms: {ops}"
+            )
 
 
 def plot(result: dict, path) -> None:
@@ -123,8 +161,12 @@ def plot(result: dict, path) -> None:
             ax.plot(*zip(*pts), marker="o", label=f"{system} {precision}")
         else:
             style = "--" if precision == runs[0]["precision"] else ":"
-            ax.axhline(mine[0]["output_tokens_per_s"], linestyle=style, color="gray",
-                       label=f"{system} {precision} (one at a time)")
+            ax.axhline(
+                mine[0]["output_tokens_per_s"],
+                linestyle=style,
+                color="gray",
+                label=f"{system} {precision} (one at a time)",
+            )
     ax.set(xlabel="batch size (slots)", ylabel="output tokens/s", title="throughput")
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=8)
@@ -132,8 +174,9 @@ def plot(result: dict, path) -> None:
     for m in runs:
         if (m["batch_size"] or largest) == largest and m.get("ttft_samples_ms"):
             xs = sorted(m["ttft_samples_ms"])
-            bx.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                    label=f"{m['system']} {m['precision']}")
+            bx.step(
+                xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{m['system']} {m['precision']}"
+            )
     bx.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title=f"TTFT distribution (B={largest})")
     bx.legend(fontsize=8)
     fig.tight_layout()

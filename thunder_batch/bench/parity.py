@@ -34,8 +34,15 @@ def litgpt_greedy(gpt, prompt: list[int], max_new_tokens: int, stop_tokens=()) -
     model = copy.deepcopy(gpt)
     device = next(model.parameters()).device
     model.set_kv_cache(batch_size=1, max_seq_length=len(prompt) + max_new_tokens, device=device)
-    out = generate_fn(model, torch.tensor(prompt, device=device), len(prompt) + max_new_tokens, temperature=0.0,
-                      stop_tokens=stop_tokens, include_prompt=False, include_eos=False)
+    out = generate_fn(
+        model,
+        torch.tensor(prompt, device=device),
+        len(prompt) + max_new_tokens,
+        temperature=0.0,
+        stop_tokens=stop_tokens,
+        include_prompt=False,
+        include_eos=False,
+    )
     return [int(t) for t in out]
 
 
@@ -45,7 +52,7 @@ def litgpt_greedy_uncached(gpt, prompt: list[int], max_new_tokens: int) -> list[
     tokens = list(prompt)
     for _ in range(max_new_tokens):
         tokens.append(int(gpt(torch.tensor([tokens], device=device))[0, -1].argmax()))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def compare_tokens(reference: list[list[int]], tokens: list[list[int]]) -> dict:
@@ -55,6 +62,12 @@ def compare_tokens(reference: list[list[int]], tokens: list[list[int]]) -> dict:
     if bad:
         a, b = reference[bad[0]], tokens[bad[0]]
         pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        out["first_mismatch"] = dict(request=bad[0], position=pos, expected=a[pos:pos + 5], got=b[pos:pos + 5],
-                                     expected_len=len(a), got_len=len(b))
+        out["first_mismatch"] = dict(
+            request=bad[0],
+            position=pos,
+            expected=a[pos : pos + 5],
+            got=b[pos : pos + 5],
+            expected_len=len(a),
+            got_len=len(b),
+        )
     return out

@@ -15,8 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALL_SYSTEMS = ("litgpt-sequential", "litgpt-batched", "eager", "thunder-torch", "thunder-torchcompile",
-               "thunder-nvfuser")
+ALL_SYSTEMS = (
+    "litgpt-sequential",
+    "litgpt-batched",
+    "eager",
+    "thunder-torch",
+    "thunder-torchcompile",
+    "thunder-nvfuser",
+)
 PRECISIONS = ("float32", "bfloat16", "float16")
 SEQUENTIAL = "litgpt-sequential"
 
@@ -29,7 +35,7 @@ class SystemSpec:
 
 
 def parse_batch_sizes(value) -> list[int]:
-    """"1,4,8,16", 8 or [1, 4] -> sorted distinct positive ints."""
+    """ "1,4,8,16", 8 or [1, 4] -> sorted distinct positive ints."""
     items = value if isinstance(value, (list, tuple)) else str(value).split(",")
     try:
         sizes = sorted({int(str(v).strip()) for v in items if str(v).strip()})
@@ -41,7 +47,7 @@ def parse_batch_sizes(value) -> list[int]:
 
 
 def parse_precisions(value, default: str) -> list[str]:
-    """"float32,bfloat16" -> ["float32", "bfloat16"] (order kept, duplicates dropped); None -> [default]."""
+    """ "float32,bfloat16" -> ["float32", "bfloat16"] (order kept, duplicates dropped); None -> [default]."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return [default]
     items = value if isinstance(value, (list, tuple)) else str(value).split(",")
@@ -53,7 +59,7 @@ def parse_precisions(value, default: str) -> list[str]:
 
 
 def parse_spec(item: str) -> SystemSpec:
-    """"thunder-torch@float32/bfloat16:32/64" -> SystemSpec."""
+    """ "thunder-torch@float32/bfloat16:32/64" -> SystemSpec."""
     rest, _, sizes = item.partition(":")
     name, _, precs = rest.partition("@")
     name = name.strip()
@@ -79,8 +85,10 @@ def plan_runs(specs: list[SystemSpec], precisions: list[str], sizes: list[int]) 
     for spec in specs:
         missing = [p for p in spec.precisions or () if p not in precisions]
         if missing:
-            raise ValueError(f"system {spec.name} asks for {missing}, not in the run's precisions {precisions} "
-                             "(add them to --precisions)")
+            raise ValueError(
+                f"system {spec.name} asks for {missing}, not in the run's precisions {precisions} "
+                "(add them to --precisions)"
+            )
         for precision in spec.precisions or precisions:
             for B in [None] if spec.name == SEQUENTIAL else (spec.batch_sizes or sizes):
                 runs.append((spec.name, precision, B))

@@ -30,17 +30,26 @@ def step_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_slot
     B, peak = run.batch_size, peaks["matmul_flops_per_s"][run.precision]
     decode = [s for s in run.steps if s.width == 1]
     full = [s for s in decode if len(s.spans) == B]
-    out = dict(steps=len(run.steps), prefill_steps=len(run.steps) - len(decode), decode_steps=len(decode),
-               slot_occupancy=sum(len(s.spans) for s in run.steps) / (B * len(run.steps)))
+    out = dict(
+        steps=len(run.steps),
+        prefill_steps=len(run.steps) - len(decode),
+        decode_steps=len(decode),
+        slot_occupancy=sum(len(s.spans) for s in run.steps) / (B * len(run.steps)),
+    )
     for name, steps in (("decode", decode), ("full_decode", full)):
         seconds = sum(s.seconds for s in steps)
         if not steps or seconds <= 0:
             continue
         flops = sum(cost.span_flops(p, n) + 2 * cost.lm_head_params for s in steps for p, n in s.spans)
         nbytes = len(steps) * (cost.weight_bytes + B * kv_bytes_per_slot_step)
-        out[name] = dict(steps=len(steps), mean_step_ms=1000 * seconds / len(steps), flops_per_s=flops / seconds,
-                         peak_matmul_fraction=flops / seconds / peak, bytes_per_s=nbytes / seconds,
-                         copy_bandwidth_fraction=nbytes / seconds / peaks["copy_bytes_per_s"])
+        out[name] = dict(
+            steps=len(steps),
+            mean_step_ms=1000 * seconds / len(steps),
+            flops_per_s=flops / seconds,
+            peak_matmul_fraction=flops / seconds / peak,
+            bytes_per_s=nbytes / seconds,
+            copy_bandwidth_fraction=nbytes / seconds / peaks["copy_bytes_per_s"],
+        )
     return out
 
 
@@ -48,12 +57,22 @@ def run_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_slot_
     throughput = throughput_metrics(run.traces, run.wall_s)
     flops = useful_flops(cost, run.traces)
     rate = flops / max(run.wall_s, 1e-9)
-    return dict(system=run.system, precision=run.precision, batch_size=run.batch_size, **throughput,
-                **latency_metrics(run.traces), useful_flops=flops, flops_per_s=rate,
-                peak_matmul_fraction=rate / peaks["matmul_flops_per_s"][run.precision],
-                ttft_samples_ms=[1000 * t.ttft for t in run.traces if t.ttft is not None],
-                compile=run.compile, memory=run.memory, **step_metrics(run, cost, peaks, kv_bytes_per_slot_step),
-                notes=run.notes, **run.extra)
+    return dict(
+        system=run.system,
+        precision=run.precision,
+        batch_size=run.batch_size,
+        **throughput,
+        **latency_metrics(run.traces),
+        useful_flops=flops,
+        flops_per_s=rate,
+        peak_matmul_fraction=rate / peaks["matmul_flops_per_s"][run.precision],
+        ttft_samples_ms=[1000 * t.ttft for t in run.traces if t.ttft is not None],
+        compile=run.compile,
+        memory=run.memory,
+        **step_metrics(run, cost, peaks, kv_bytes_per_slot_step),
+        notes=run.notes,
+        **run.extra,
+    )
 
 
 def reference_run(runs: list[SystemRun]) -> SystemRun | None:
@@ -95,8 +114,11 @@ def sequential_baseline(metrics: list[dict]) -> dict | None:
     if not seq:
         return None
     best = max(seq, key=lambda m: m["output_tokens_per_s"])
-    return dict(precision=best["precision"], output_tokens_per_s=best["output_tokens_per_s"],
-                by_precision={m["precision"]: m["output_tokens_per_s"] for m in seq})
+    return dict(
+        precision=best["precision"],
+        output_tokens_per_s=best["output_tokens_per_s"],
+        by_precision={m["precision"]: m["output_tokens_per_s"] for m in seq},
+    )
 
 
 def speedups(metrics: list[dict]) -> tuple[dict, dict | None]:
@@ -109,8 +131,11 @@ def speedups(metrics: list[dict]) -> tuple[dict, dict | None]:
         if m["batch_size"] is None:
             continue
         rate, B, p = m["output_tokens_per_s"], m["batch_size"], m["precision"]
-        bases = dict(vs_litgpt_sequential=baseline and baseline["output_tokens_per_s"],
-                     vs_litgpt_batched=_rate(metrics, BATCHED, B, p), vs_eager=_rate(metrics, EAGER, B, p))
+        bases = dict(
+            vs_litgpt_sequential=baseline and baseline["output_tokens_per_s"],
+            vs_litgpt_batched=_rate(metrics, BATCHED, B, p),
+            vs_eager=_rate(metrics, EAGER, B, p),
+        )
         ratios = {key: rate / base for key, base in bases.items() if base}
         m["speedup"] = ratios
         table.setdefault(p, {}).setdefault(f"B={B}", {})[m["system"]] = ratios.get("vs_litgpt_sequential")
@@ -140,11 +165,14 @@ def targets(metrics: list[dict]) -> list[dict]:
     order = list(dict.fromkeys(m["precision"] for m in metrics))
     rows = []
     for p, B in sorted({(m["precision"], m["batch_size"]) for m in thunder}, key=lambda k: (order.index(k[0]), k[1])):
-        top = max((m for m in thunder if (m["precision"], m["batch_size"]) == (p, B)),
-                  key=lambda m: m["output_tokens_per_s"])
+        top = max(
+            (m for m in thunder if (m["precision"], m["batch_size"]) == (p, B)), key=lambda m: m["output_tokens_per_s"]
+        )
         where = _where(top) + (" (best)" if top is best else "")
-        rows += [target_row(f"output tok/s {key}", TARGETS[key], top["speedup"].get(key), where, top is best)
-                 for key in RATIOS]
+        rows += [
+            target_row(f"output tok/s {key}", TARGETS[key], top["speedup"].get(key), where, top is best)
+            for key in RATIOS
+        ]
     frac = best.get("full_decode", best.get("decode", {})).get("peak_matmul_fraction")
     rows.append(target_row(name, TARGETS["decode_peak_fraction"], frac, _where(best) + " (best)", True))
     return rows
@@ -154,14 +182,31 @@ def machine_info(device) -> dict:
     import torch
 
     versions = package_versions(("torch", "lightning-thunder", "litgpt", "thunder_batch", "tokenizers", "litserve"))
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem = next((int(line.split()[1]) * 1024 for line in _read("/proc/meminfo").splitlines()
-                if line.startswith("MemTotal")), None)
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    mem = next(
+        (int(line.split()[1]) * 1024 for line in _read("/proc/meminfo").splitlines() if line.startswith("MemTotal")),
+        None,
+    )
     gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else None
-    return dict(versions=versions, python=sys.version.split()[0], platform=platform.platform(), cpu=cpu,
-                cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(), memory_bytes=mem, gpu=gpu,
-                device=str(device), loadavg=os.getloadavg())
+    return dict(
+        versions=versions,
+        python=sys.version.split()[0],
+        platform=platform.platform(),
+        cpu=cpu,
+        cpu_count=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        memory_bytes=mem,
+        gpu=gpu,
+        device=str(device),
+        loadavg=os.getloadavg(),
+    )
 
 
 def _read(path: str) -> str:

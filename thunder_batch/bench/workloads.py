@@ -67,10 +67,19 @@ def real_prompts(rng: random.Random, n: int, encode) -> list[list[int]]:
     return [list(encode(texts[i % len(texts)])) for i in range(n)]
 
 
-def build_workload(dataset: str, num_requests: int, max_new_tokens: int, *, seed: int = 0,
-                   input_len: int = 128, range_ratio: float = 0.5, request_rate: float = math.inf,
-                   vocab_size: int | None = None, encode=None, max_seq_length: int | None = None
-                   ) -> list[BenchRequest]:
+def build_workload(
+    dataset: str,
+    num_requests: int,
+    max_new_tokens: int,
+    *,
+    seed: int = 0,
+    input_len: int = 128,
+    range_ratio: float = 0.5,
+    request_rate: float = math.inf,
+    vocab_size: int | None = None,
+    encode=None,
+    max_seq_length: int | None = None,
+) -> list[BenchRequest]:
     """The requests of one benchmark run; every system gets exactly these.
 
     encode(text) -> token ids is needed for the `prompts` dataset, vocab_size for `random`.
@@ -92,7 +101,7 @@ def build_workload(dataset: str, num_requests: int, max_new_tokens: int, *, seed
     outputs = output_lengths(rng, num_requests, max_new_tokens, range_ratio)
     arrivals = poisson_arrivals(rng, num_requests, request_rate)
     if max_seq_length is not None:
-        prompts = [p[-(max_seq_length - n):] for p, n in zip(prompts, outputs)]
+        prompts = [p[-(max_seq_length - n) :] for p, n in zip(prompts, outputs)]
     return [BenchRequest(i, tuple(p), n, a) for i, (p, n, a) in enumerate(zip(prompts, outputs, arrivals))]
 
 
@@ -108,13 +117,20 @@ def same_length_groups(workload: list[BenchRequest], batch_size: int) -> list[li
     by_len: dict[int, list[BenchRequest]] = {}
     for r in workload:
         by_len.setdefault(len(r.prompt_ids), []).append(r)
-    return [g[i:i + batch_size] for g in by_len.values() for i in range(0, len(g), batch_size)]
+    return [g[i : i + batch_size] for g in by_len.values() for i in range(0, len(g), batch_size)]
 
 
 def describe(workload: list[BenchRequest]) -> dict:
     plens = [len(r.prompt_ids) for r in workload]
     outs = [r.max_new_tokens for r in workload]
-    return dict(num_requests=len(workload), prompt_len_min=min(plens), prompt_len_max=max(plens),
-                prompt_len_mean=sum(plens) / len(plens), max_new_tokens_min=min(outs),
-                max_new_tokens_max=max(outs), max_new_tokens_mean=sum(outs) / len(outs),
-                distinct_prompt_lengths=len(set(plens)), last_arrival_s=max(r.arrival_s for r in workload))
+    return dict(
+        num_requests=len(workload),
+        prompt_len_min=min(plens),
+        prompt_len_max=max(plens),
+        prompt_len_mean=sum(plens) / len(plens),
+        max_new_tokens_min=min(outs),
+        max_new_tokens_max=max(outs),
+        max_new_tokens_mean=sum(outs) / len(outs),
+        distinct_prompt_lengths=len(set(plens)),
+        last_arrival_s=max(r.arrival_s for r in workload),
+    )

@@ -21,7 +21,7 @@ KNOWN_EXECUTORS = ("nvfuser", "torchcompile", "sdpa", "torch", "python")
 
 _MISSING = {
     "nvfuser": "nvFuser is not installed: Thunder found no `nvfuser` package (its wheels are built for one "
-               "torch and CUDA version each, e.g. nvfuser-cu128-torch28)",
+    "torch and CUDA version each, e.g. nvfuser-cu128-torch28)",
     "torchcompile": "Thunder's torch.compile executor is not registered (it needs torch >= 2.2)",
 }
 
@@ -49,8 +49,9 @@ def resolve_executors(names: Sequence[str]) -> list:
 
     names = tuple(names)
     if not names:
-        raise ValueError(f"executors is empty: name at least one of {list(KNOWN_EXECUTORS)}, "
-                         "or pass None for Thunder's defaults")
+        raise ValueError(
+            f"executors is empty: name at least one of {list(KNOWN_EXECUTORS)}, or pass None for Thunder's defaults"
+        )
     unknown = [n for n in names if n not in KNOWN_EXECUTORS]
     if unknown:
         raise ValueError(f"unknown executor(s) {unknown}; choose from {list(KNOWN_EXECUTORS)}")
@@ -58,8 +59,11 @@ def resolve_executors(names: Sequence[str]) -> list:
     missing = {n: availability[n] for n in names if availability[n] is not None}
     if missing:
         usable = [n for n, why in availability.items() if why is None]
-        raise ValueError("executor(s) not available here: " + "; ".join(f"{n}: {why}" for n, why in missing.items())
-                         + f". Available here: {usable}")
+        raise ValueError(
+            "executor(s) not available here: "
+            + "; ".join(f"{n}: {why}" for n, why in missing.items())
+            + f". Available here: {usable}"
+        )
     return [get_executor(n) for n in names]
 
 
@@ -139,8 +143,13 @@ def load_or_compile_program(program: StepProgram, config: EngineConfig) -> Calla
     from thunder_batch.compile.layered import LayeredProgram
 
     trace_speedups.install()
-    return LayeredProgram(program, config, compile_options(config), lambda: describe_options(config),
-                          EntryStore(resolve_root(config.cache_dir)))
+    return LayeredProgram(
+        program,
+        config,
+        compile_options(config),
+        lambda: describe_options(config),
+        EntryStore(resolve_root(config.cache_dir)),
+    )
 
 
 def describe_options(config: EngineConfig) -> tuple[tuple[str, ...], dict]:
@@ -165,13 +174,26 @@ def program_stats(fn: Callable) -> dict:
 
     if isinstance(fn, LayeredProgram):
         return fn.stats()
-    stats = dict(cache_misses=0, cache_hits=0, programs={}, traced=0, not_stored=0, disk_cache_hits=0,
-                 compile_seconds=0.0, compile_seconds_by_piece={})
+    stats = dict(
+        cache_misses=0,
+        cache_hits=0,
+        programs={},
+        traced=0,
+        not_stored=0,
+        disk_cache_hits=0,
+        compile_seconds=0.0,
+        compile_seconds_by_piece={},
+    )
     if is_compiled(fn):  # trace="step": one Thunder trace per width
         thunder = import_thunder()
         misses = thunder.cache_misses(fn)
-        stats.update(cache_misses=misses, cache_hits=thunder.cache_hits(fn), programs={"step": misses}, traced=misses,
-                     not_stored=misses)
+        stats.update(
+            cache_misses=misses,
+            cache_hits=thunder.cache_hits(fn),
+            programs={"step": misses},
+            traced=misses,
+            not_stored=misses,
+        )
     return stats
 
 

@@ -102,19 +102,27 @@ def device_kind(device) -> str:
     return device.type
 
 
-def make_key(program, config, piece: str, signature: str, args, executors: tuple[str, ...],
-             options: dict) -> CacheKey:
+def make_key(program, config, piece: str, signature: str, args, executors: tuple[str, ...], options: dict) -> CacheKey:
     """Key of one piece of `program` (a StepProgram) traced for call arguments `args` ([B, T, ...] first)."""
     from thunder_batch.compile.trace_export import tensor_meta
 
     weight = program.prefix.gpt.lm_head.weight
     return CacheKey(
-        piece=piece, signature=signature, model_config=canonical_json(dataclasses.asdict(program.prefix.gpt.config)),
-        module_signature=module_signature(program), dtype=str(weight.dtype),
-        device_kind=device_kind(weight.device), batch_size=int(args[0].shape[0]), width=int(args[0].shape[1]),
-        max_seq_length=config.max_seq_length, inputs=canonical_json([tensor_meta(a) for a in args]),
-        executors=tuple(executors), compile_options=canonical_json(options), versions=versions(),
-        program_source=program_source_hash())
+        piece=piece,
+        signature=signature,
+        model_config=canonical_json(dataclasses.asdict(program.prefix.gpt.config)),
+        module_signature=module_signature(program),
+        dtype=str(weight.dtype),
+        device_kind=device_kind(weight.device),
+        batch_size=int(args[0].shape[0]),
+        width=int(args[0].shape[1]),
+        max_seq_length=config.max_seq_length,
+        inputs=canonical_json([tensor_meta(a) for a in args]),
+        executors=tuple(executors),
+        compile_options=canonical_json(options),
+        versions=versions(),
+        program_source=program_source_hash(),
+    )
 
 
 # -- the store ----------------------------------------------------------------------------------
@@ -171,8 +179,10 @@ class EntryStore:
                 raise
         except OSError as e:
             self.writable = False
-            warn(f"compile cache dir {str(self.root)!r} is not writable ({e.strerror or e}); "
-                 "programs stay in memory only")
+            warn(
+                f"compile cache dir {str(self.root)!r} is not writable ({e.strerror or e}); "
+                "programs stay in memory only"
+            )
             return False
         return True
 

@@ -54,16 +54,31 @@ def fill(options, root: Path) -> None:
     config = engine.config
     first = sum(engine.warmup(progress=True).values())
     stats = engine.stats()
-    print(f"first pass: {first:.1f}s ({stats['traced']} pieces traced, {stats['disk_cache_hits']} already cached; "
-          f"programs per piece {stats['programs']})", file=sys.stderr)
+    print(
+        f"first pass: {first:.1f}s ({stats['traced']} pieces traced, {stats['disk_cache_hits']} already cached; "
+        f"programs per piece {stats['programs']})",
+        file=sys.stderr,
+    )
     again = Engine(engine.runner.gpt, config, engine.tokenizer, engine.prompt_style)  # a fresh runner, same weights
     warm = sum(again.warmup(progress=True).values())
     loaded = again.stats()["disk_cache_hits"]
-    print(f"warm (loaded from {root}): {warm:.1f}s, {loaded} pieces loaded for {len(config.step_widths)} step widths",
-          file=sys.stderr)
-    print(json.dumps(dict(cache_dir=str(root), step_widths=list(config.step_widths), first_pass_s=round(first, 2),
-                          traced=stats["traced"], programs=stats["programs"], warm_s=round(warm, 2),
-                          loaded=loaded)))
+    print(
+        f"warm (loaded from {root}): {warm:.1f}s, {loaded} pieces loaded for {len(config.step_widths)} step widths",
+        file=sys.stderr,
+    )
+    print(
+        json.dumps(
+            dict(
+                cache_dir=str(root),
+                step_widths=list(config.step_widths),
+                first_pass_s=round(first, 2),
+                traced=stats["traced"],
+                programs=stats["programs"],
+                warm_s=round(warm, 2),
+                loaded=loaded,
+            )
+        )
+    )
 
 
 def compile_command(list: bool = False, clear: bool = False, **options) -> None:

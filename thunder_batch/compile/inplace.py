@@ -67,13 +67,17 @@ def rewrite(bound_symbols: list) -> tuple[list, int]:
 
 def _is_torch_out_of_place(bsym) -> bool:
     executor = bsym.sym.executor
-    return (bsym.sym.name in IN_PLACE and getattr(executor, "name", None) == "torch" and len(bsym.args) == 4
-            and not bsym.kwargs)
+    return (
+        bsym.sym.name in IN_PLACE
+        and getattr(executor, "name", None) == "torch"
+        and len(bsym.args) == 4
+        and not bsym.kwargs
+    )
 
 
 def _written_back(bound_symbols: list, i: int, target, result) -> bool:
     """True when a later `copy_(result, target)` follows position i with nothing between touching either."""
-    for bsym in bound_symbols[i + 1:]:
+    for bsym in bound_symbols[i + 1 :]:
         if bsym.sym.name == "copy_" and len(bsym.args) >= 2 and bsym.args[0] is result and bsym.args[1] is target:
             return True
         if bsym.sym.name == "python_del":

@@ -41,8 +41,14 @@ class LayeredProgram:
     options: thunder.jit keyword arguments; describe_options(): (executor names, options as data)
     for the cache key; store: the compile cache, or None to keep programs in memory only."""
 
-    def __init__(self, program: StepProgram, config, options: dict, describe_options: Callable[[], tuple],
-                 store: EntryStore | None) -> None:
+    def __init__(
+        self,
+        program: StepProgram,
+        config,
+        options: dict,
+        describe_options: Callable[[], tuple],
+        store: EntryStore | None,
+    ) -> None:
         self.program, self.config, self.options, self.store = program, config, options, store
         self._describe_options = describe_options
         self._widths: dict[int, _Width] = {}
@@ -130,8 +136,10 @@ class LayeredProgram:
                 if not problem:
                     self._count(True, kind, piece, traced=False)
                     return piece.bind(module), out
-                warn(f"compile cache entry {self.store.path(key).name} ignored, retracing: "
-                     f"failed its load-time check ({problem})")
+                warn(
+                    f"compile cache entry {self.store.path(key).name} ignored, retracing: "
+                    f"failed its load-time check ({problem})"
+                )
             piece, out = trace_piece(module, args, self.options)
             self._count(True, kind, piece, traced=True)
             if key is not None:
@@ -159,8 +167,10 @@ class LayeredProgram:
         try:
             return piece_from_record(record)
         except Exception as e:
-            warn(f"compile cache entry {self.store.path(key).name} ignored, retracing: unloadable "
-                 f"({type(e).__name__}: {e})")
+            warn(
+                f"compile cache entry {self.store.path(key).name} ignored, retracing: unloadable "
+                f"({type(e).__name__}: {e})"
+            )
             return None
 
     def _save(self, key, piece: TracedPiece) -> None:
@@ -204,11 +214,16 @@ class LayeredProgram:
             for kind, n in counter.items():
                 if "(" not in kind:
                     programs[kind] += n
-        return dict(cache_misses=len(self._widths), cache_hits=max(self.calls - len(self._widths), 0),
-                    programs=dict(programs), traced=sum(self.traced.values()),
-                    not_stored=sum(piece.record is None for piece in self.pieces if piece.jitted is not None),
-                    disk_cache_hits=sum(self.loaded.values()), compile_seconds=sum(self.seconds.values()),
-                    compile_seconds_by_piece={kind: round(s, 3) for kind, s in self.seconds.items()})
+        return dict(
+            cache_misses=len(self._widths),
+            cache_hits=max(self.calls - len(self._widths), 0),
+            programs=dict(programs),
+            traced=sum(self.traced.values()),
+            not_stored=sum(piece.record is None for piece in self.pieces if piece.jitted is not None),
+            disk_cache_hits=sum(self.loaded.values()),
+            compile_seconds=sum(self.seconds.values()),
+            compile_seconds_by_piece={kind: round(s, 3) for kind, s in self.seconds.items()},
+        )
 
     def execution_traces(self) -> list:
         """Thunder's final execution traces of every piece traced in this process."""

@@ -63,8 +63,15 @@ def trace_piece(module: nn.Module, args: Sequence[torch.Tensor], options: dict):
     entry, inputs = computation_and_inputs(jitted, args)
     bindings = input_bindings(inputs, args, module)
     checks = signature.prologue_checks(entry.prologue_traces[-1])
-    piece = TracedPiece(entry.computation_fn, bindings, written_in_trace(entry, bindings), single_output(entry),
-                        checks, entry.computation_traces[-1].python(), jitted=jitted)
+    piece = TracedPiece(
+        entry.computation_fn,
+        bindings,
+        written_in_trace(entry, bindings),
+        single_output(entry),
+        checks,
+        entry.computation_traces[-1].python(),
+        jitted=jitted,
+    )
     try:
         piece.record = dict(export_record(entry, bindings), checks=signature.to_json(checks))
     except NotExportable as e:
@@ -74,8 +81,15 @@ def trace_piece(module: nn.Module, args: Sequence[torch.Tensor], options: dict):
 
 def piece_from_record(record: dict) -> TracedPiece:
     """A stored piece, ready to bind (raises if its code cannot be loaded)."""
-    return TracedPiece(load_computation(record), record["inputs"], written_names(record), record["single_output"],
-                       signature.from_json(record["checks"]), record["source"], record=record)
+    return TracedPiece(
+        load_computation(record),
+        record["inputs"],
+        written_names(record),
+        record["single_output"],
+        signature.from_json(record["checks"]),
+        record["source"],
+        record=record,
+    )
 
 
 class SharedTraces:

@@ -21,8 +21,13 @@ Path = tuple[tuple[str, object], ...]  # steps from the module: ("submodule", "b
 Check = tuple[Path, object]  # (where, the value the trace was made for)
 
 _VALUE_CHECKS = {"check_number_type_and_value", "check_string_value", "check_literal_like", "check_none"}
-_UNPACK_STEPS = {"unpack_submodule": "submodule", "unpack_attr": "attr", "unpack_getitem": "item",
-                 "unpack_parameter": "tensor", "unpack_buffer": "tensor"}
+_UNPACK_STEPS = {
+    "unpack_submodule": "submodule",
+    "unpack_attr": "attr",
+    "unpack_getitem": "item",
+    "unpack_parameter": "tensor",
+    "unpack_buffer": "tensor",
+}
 _MISSING = object()
 
 

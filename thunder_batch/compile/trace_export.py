@@ -86,8 +86,10 @@ def input_bindings(inputs, args: Sequence[torch.Tensor], module: nn.Module) -> l
         elif id(value) in named:
             bindings.append(["tensor", named[id(value)], tensor_meta(value)])
         else:
-            raise NotExportable(f"computation input {i} ({type(value).__name__}) is neither an argument "
-                                "nor a parameter/buffer of the module")
+            raise NotExportable(
+                f"computation input {i} ({type(value).__name__}) is neither an argument "
+                "nor a parameter/buffer of the module"
+            )
     return bindings
 
 
@@ -125,8 +127,9 @@ def ctx_recipe(name: str, obj) -> list[str]:
                 return recipe
         except Exception:
             continue
-    raise NotExportable(f"context name {name!r} ({type(obj).__name__} from "
-                        f"{getattr(obj, '__module__', '?')}) is not importable")
+    raise NotExportable(
+        f"context name {name!r} ({type(obj).__name__} from {getattr(obj, '__module__', '?')}) is not importable"
+    )
 
 
 def _candidate_recipes(name: str, obj):
@@ -184,8 +187,14 @@ class BoundComputation:
     written: qualified names of the module buffers the computation writes in place;
     single: the program returns one value (the computation, a 1-tuple)."""
 
-    def __init__(self, computation: Callable, bindings: Sequence, module: nn.Module, written: Sequence[str] = (),
-                 single: bool = False):
+    def __init__(
+        self,
+        computation: Callable,
+        bindings: Sequence,
+        module: nn.Module,
+        written: Sequence[str] = (),
+        single: bool = False,
+    ):
         self.computation, self.single = computation, single
         self.bindings = [_resolve_binding(b, module) for b in bindings]
         self.writes = [module.get_buffer(name) for name in written]

@@ -34,8 +34,12 @@ import types
 import torch
 from torch.nn.modules import module as module_mod
 
-_HOOK_DICTS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_hooks",
-               "_global_forward_pre_hooks")
+_HOOK_DICTS = (
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+)
 # sha256[:16] of the source of each function a shortcut stands in for, as verified.
 _VERIFIED_SOURCES = {
     "interpreter.globals_lookup": "7cc0d44bcf43854c",
@@ -49,8 +53,13 @@ _installed: dict = {}
 
 
 def _has_hooks(m: torch.nn.Module) -> bool:
-    return bool(m._backward_hooks or m._backward_pre_hooks or m._forward_hooks or m._forward_pre_hooks
-                or any(getattr(module_mod, name) for name in _HOOK_DICTS))
+    return bool(
+        m._backward_hooks
+        or m._backward_pre_hooks
+        or m._forward_hooks
+        or m._forward_pre_hooks
+        or any(getattr(module_mod, name) for name in _HOOK_DICTS)
+    )
 
 
 def _direct_forward(self, *args, **kwargs):
@@ -81,8 +90,11 @@ def unverified_sources() -> list[str]:
     from thunder.core import interpreter
 
     scope = {"interpreter": interpreter, "torch": torch}
-    replaced = {"interpreter.globals_lookup": "globals_lookup", "interpreter._binary_subscr": "binary_subscr",
-                "interpreter.InterpreterFrame.get_or_make_python_frame": "python_frame"}
+    replaced = {
+        "interpreter.globals_lookup": "globals_lookup",
+        "interpreter._binary_subscr": "binary_subscr",
+        "interpreter.InterpreterFrame.get_or_make_python_frame": "python_frame",
+    }
     changed = []
     for dotted, digest in _VERIFIED_SOURCES.items():
         head, *rest = dotted.split(".")
@@ -109,8 +121,9 @@ def install() -> bool:
 
     original = torch.nn.Module._call_impl
     # Same code under another function object: not in the lookaside map, so no recursion.
-    interpreted_call_impl = types.FunctionType(original.__code__, original.__globals__, original.__name__,
-                                               original.__defaults__, original.__closure__)
+    interpreted_call_impl = types.FunctionType(
+        original.__code__, original.__globals__, original.__name__, original.__defaults__, original.__closure__
+    )
 
     def call_impl_lookaside(wrapped_self, *args, **kwargs):
         module = interpreter.unwrap(wrapped_self)
@@ -118,9 +131,13 @@ def install() -> bool:
             return interpreter._interpret_call(interpreted_call_impl, wrapped_self, *args, **kwargs)
         return interpreter._interpret_call(_direct_forward, wrapped_self, *args, **kwargs)
 
-    _installed.update(dis=interpreter.dis, lookaside=jit_ext._general_jit_lookaside_map.get(original),
-                      binary_subscr=interpreter._binary_subscr, globals_lookup=interpreter.globals_lookup,
-                      python_frame=interpreter.InterpreterFrame.get_or_make_python_frame)
+    _installed.update(
+        dis=interpreter.dis,
+        lookaside=jit_ext._general_jit_lookaside_map.get(original),
+        binary_subscr=interpreter._binary_subscr,
+        globals_lookup=interpreter.globals_lookup,
+        python_frame=interpreter.InterpreterFrame.get_or_make_python_frame,
+    )
     jit_ext._general_jit_lookaside_map[original] = call_impl_lookaside
     interpreter.dis = _CachedDis()
     interpreter._binary_subscr = _fast_binary_subscr
@@ -135,8 +152,12 @@ def _dict_getitem(wrapped_dict, wrapped_key):
     from thunder.core import interpreter
 
     ctx = interpreter.get_interpretercompilectx()
-    if (type(wrapped_dict) is not interpreter.WrappedValue or type(wrapped_dict.value) is not dict
-            or wrapped_dict.item_wrappers is None or not ctx._with_provenance_tracking):
+    if (
+        type(wrapped_dict) is not interpreter.WrappedValue
+        or type(wrapped_dict.value) is not dict
+        or wrapped_dict.item_wrappers is None
+        or not ctx._with_provenance_tracking
+    ):
         return None
     return interpreter.MutMappingWrapperMethods.__getitem__(wrapped_dict, wrapped_key)
 

@@ -48,7 +48,13 @@ def serve(
     checkpoint_dir = default_checkpoint_dir() if checkpoint_dir is None else validate_checkpoint_dir(checkpoint_dir)
     api_key = api_key or os.environ.get("THUNDER_BATCH_API_KEY") or None
     with multiprocessing.Manager() as manager:  # run_server stops it with the other children
-        server = build_server(replace(engine_options, checkpoint_dir=checkpoint_dir), manager.dict(), api_key=api_key,
-                              accelerator=accelerator, devices="auto" if devices is None else devices,
-                              workers_per_device=workers_per_device, max_body_bytes=max_body_bytes)
+        server = build_server(
+            replace(engine_options, checkpoint_dir=checkpoint_dir),
+            manager.dict(),
+            api_key=api_key,
+            accelerator=accelerator,
+            devices="auto" if devices is None else devices,
+            workers_per_device=workers_per_device,
+            max_body_bytes=max_body_bytes,
+        )
         run_server(server, host, port, log_level)

@@ -21,9 +21,20 @@ SSE_DONE = "data: [DONE]\n\n"
 
 # Parameters we do not implement: accepted only at their neutral value, so no client silently
 # gets something other than what it asked for.
-NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
-           "suffix": ("",), "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
-           "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},)}
+NEUTRAL = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "suffix": ("",),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+}
 
 
 class APIError(Exception):
@@ -91,9 +102,14 @@ def _sampling(data: dict, max_tokens: int | None) -> SamplingParams:
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise APIError(400, "'stop' must be a string or a list of strings", "stop", "invalid_type")
     try:
-        return SamplingParams(max_new_tokens=max_tokens, temperature=_get(data, "temperature", (int, float), 1.0),
-                              top_p=_get(data, "top_p", (int, float), 1.0), top_k=None if top_k == -1 else top_k,
-                              stop=stop, seed=_get(data, "seed", int))
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=_get(data, "temperature", (int, float), 1.0),
+            top_p=_get(data, "top_p", (int, float), 1.0),
+            top_k=None if top_k == -1 else top_k,
+            stop=stop,
+            seed=_get(data, "seed", int),
+        )
     except ParamError as e:  # the client named it max_tokens (or max_completion_tokens)
         param = "max_tokens" if e.param == "max_new_tokens" else e.param
         message = str(e).replace("max_new_tokens", "max_tokens")
@@ -104,8 +120,9 @@ def _messages(data: dict) -> list[dict]:
     """OpenAI messages -> [{"role", "content": str}]; roles and order are checked by the engine."""
     messages = _get(data, "messages", list)
     if not messages:
-        raise APIError(400, "'messages' is required: a non-empty list of {'role', 'content'} objects",
-                       "messages", "invalid_value")
+        raise APIError(
+            400, "'messages' is required: a non-empty list of {'role', 'content'} objects", "messages", "invalid_value"
+        )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -117,11 +134,16 @@ def _messages(data: dict) -> list[dict]:
 def _content(content, i: int) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts "
-                        "(only text is supported)", "messages", "invalid_type")
+    raise APIError(
+        400,
+        f"messages[{i}].content must be a string or a list of text parts (only text is supported)",
+        "messages",
+        "invalid_type",
+    )
 
 
 def _completion_prompt(data: dict):
@@ -133,8 +155,12 @@ def _completion_prompt(data: dict):
         return prompt
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return prompt
-    raise APIError(400, "'prompt' is required: a non-empty string or list of token ids (one prompt per request)",
-                   "prompt", "invalid_value")
+    raise APIError(
+        400,
+        "'prompt' is required: a non-empty string or list of token ids (one prompt per request)",
+        "prompt",
+        "invalid_value",
+    )
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "a boolean", list: "an array", dict: "an object"}
@@ -149,8 +175,9 @@ def _get(data: dict, name: str, types, default=None, label: str | None = None):
     ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
     if not ok or (isinstance(value, float) and not math.isfinite(value)):
         wanted = "a number" if float in types else " or ".join(_TYPE_NAMES[t] for t in types)
-        raise APIError(400, f"'{label or name}' must be {wanted}, got {json.dumps(value)[:80]}",
-                       label or name, "invalid_type")
+        raise APIError(
+            400, f"'{label or name}' must be {wanted}, got {json.dumps(value)[:80]}", label or name, "invalid_type"
+        )
     return value
 
 
@@ -158,8 +185,9 @@ def _check_neutral(data: dict, name: str, allowed: tuple) -> None:
     value = data.get(name)
     if value is None or any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
         return
-    raise APIError(400, f"'{name}' is not supported by this server (only {json.dumps(allowed[0])})", name,
-                   "unsupported")
+    raise APIError(
+        400, f"'{name}' is not supported by this server (only {json.dumps(allowed[0])})", name, "unsupported"
+    )
 
 
 class Shaper:
@@ -175,8 +203,12 @@ class Shaper:
 
     def full(self, text: str, finish_reason: str, usage: dict) -> dict:
         if self.kind == CHAT:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head(self.object), "choices": [choice], "usage": usage}
@@ -195,8 +227,11 @@ class Shaper:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def sse(obj: dict) -> str:

@@ -180,8 +180,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The request body, or APIError 413 as soon as it passes `limit` bytes (never buffered whole)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-                       code="request_too_large")
+        raise APIError(
+            413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", code="request_too_large"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

@@ -16,16 +16,24 @@ from thunder_batch.serve.routes import OpenAIRoutes, install_error_handlers
 from thunder_batch.serve.worker import EngineAPI
 
 
-def build_server(options, cancel_board, *, api_key: str | None = None, accelerator: str = "auto",
-                 devices: int | str = "auto", workers_per_device: int = 1,
-                 max_body_bytes: int = 1_000_000) -> ls.LitServer:
+def build_server(
+    options,
+    cancel_board,
+    *,
+    api_key: str | None = None,
+    accelerator: str = "auto",
+    devices: int | str = "auto",
+    workers_per_device: int = 1,
+    max_body_bytes: int = 1_000_000,
+) -> ls.LitServer:
     """A LitServer with the OpenAI routes over one EngineAPI. `options`: EngineOptions with a resolved
     checkpoint_dir; `cancel_board`: a manager dict shared by the HTTP processes and the workers
     (uid -> time a client abandoned it)."""
     routes = OpenAIRoutes(Path(options.checkpoint_dir).name, cancel_board, max_body_bytes)
     api = EngineAPI(options, routes, api_key)
-    server = ls.LitServer(api, accelerator=accelerator, devices=devices, workers_per_device=workers_per_device,
-                          timeout=False)
+    server = ls.LitServer(
+        api, accelerator=accelerator, devices=devices, workers_per_device=workers_per_device, timeout=False
+    )
     install_error_handlers(server.app)
     return server
 

@@ -86,8 +86,17 @@ class EngineAPI(ls.LitAPI):
     def _stats(self) -> dict:
         stats = self.engine.stats()
         batch_size = self.engine.config.batch_size
-        return json.loads(json.dumps(dict(stats, batch_size=batch_size, free_slots=batch_size - stats["running"],
-                                          in_flight=len(self._requests)), default=str))
+        return json.loads(
+            json.dumps(
+                dict(
+                    stats,
+                    batch_size=batch_size,
+                    free_slots=batch_size - stats["running"],
+                    in_flight=len(self._requests),
+                ),
+                default=str,
+            )
+        )
 
     def step(self) -> list[Event]:
         """Abort what clients abandoned, run one engine step, and report what it released."""
@@ -110,8 +119,12 @@ class EngineAPI(ls.LitAPI):
         if not output.finished:
             return (uid, {"event": "delta", "text": output.text}, False) if output.text else None
         request = self._requests.pop(uid)  # finished: every token it kept has been released
-        message = {"event": "delta", "text": output.text or "", "finish_reason": output.finish_reason,
-                   "completion_tokens": len(request.output_ids)}
+        message = {
+            "event": "delta",
+            "text": output.text or "",
+            "finish_reason": output.finish_reason,
+            "completion_tokens": len(request.output_ids),
+        }
         return uid, message, True
 
     def fail_all(self) -> list[Event]:
@@ -133,9 +146,13 @@ def _context_error(e: ContextLengthError, prompt) -> APIError:
     """In the client's terms: max_tokens when the prompt alone fits, else the prompt is too long."""
     n, limit, wanted = e.prompt_tokens, e.max_seq_length, e.max_new_tokens
     param = "max_tokens" if n < limit else _prompt_param(prompt)
-    return APIError(400, f"this server's context length is {limit} tokens (max_seq_length): the prompt has {n} "
-                         f"tokens and max_tokens asks for {wanted or 'at least 1'} more", param,
-                    "context_length_exceeded")
+    return APIError(
+        400,
+        f"this server's context length is {limit} tokens (max_seq_length): the prompt has {n} "
+        f"tokens and max_tokens asks for {wanted or 'at least 1'} more",
+        param,
+        "context_length_exceeded",
+    )
 
 
 class EngineLoop(ContinuousBatchingLoop):
@@ -179,8 +196,9 @@ class EngineLoop(ContinuousBatchingLoop):
             item = self.get_request(request_queue, block=False)
         return items
 
-    async def run(self, lit_api: EngineAPI, device, worker_id, request_queue, transport, workers_setup_status,
-                  callback_runner) -> None:
+    async def run(
+        self, lit_api: EngineAPI, device, worker_id, request_queue, transport, workers_setup_status, callback_runner
+    ) -> None:
         if not lit_api.has_active_requests():
             wake = self._wake_event()
             with suppress(asyncio.TimeoutError):
