@@ -21,6 +21,19 @@ __all__ = [
 VOCAB = 256
 BLOCK = 128
 
+# Gemma-2: attention and final logit softcapping, post-attention/post-MLP norms, scaled embeddings,
+# GeGLU, alternating sliding-window layers (a window longer than the tiny models' block), attention_scores_scalar
+GEMMA2 = dict(
+    name="gemma-2-2b",
+    n_layer=2,
+    n_embd=64,
+    n_head=4,
+    n_query_groups=2,
+    head_size=16,
+    intermediate_size=128,
+    attention_scores_scalar=16,
+)
+
 # One config per family: each exercises different litgpt code paths in the step program.
 FAMILY_CONFIGS = {
     # GPT-NeoX/Pythia: parallel residual, partial rotary (25%), LayerNorm, biases, MHA
@@ -29,30 +42,9 @@ FAMILY_CONFIGS = {
     "llama": dict(
         name="SmolLM2-135M", n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16, intermediate_size=128
     ),
-    # Gemma-2: attention and final logit softcapping, post-attention/post-MLP norms, scaled
-    # embeddings, GeGLU, alternating sliding-window layers, attention_scores_scalar
-    "gemma2": dict(
-        name="gemma-2-2b",
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        n_query_groups=2,
-        head_size=16,
-        intermediate_size=128,
-        attention_scores_scalar=16,
-    ),
+    "gemma2": GEMMA2,
     # Gemma-2 with a window short enough to bite: layers alternate sliding-window and global attention
-    "gemma2_window": dict(
-        name="gemma-2-2b",
-        n_layer=4,
-        n_embd=64,
-        n_head=4,
-        n_query_groups=2,
-        head_size=16,
-        intermediate_size=128,
-        attention_scores_scalar=16,
-        sliding_window_size=6,
-    ),
+    "gemma2_window": dict(GEMMA2, n_layer=4, sliding_window_size=6),
     # Phi-2: parallel residual with a shared attention norm, partial rotary, GELU MLP
     "phi2": dict(name="phi-2", n_layer=2, n_embd=64, n_head=4, n_query_groups=4, head_size=16, intermediate_size=128),
 }

@@ -1,6 +1,6 @@
 """Index ops with a batched index `idx[B, T]`, traceable by Thunder, any dim of any ndim.
 
-litgpt's `batched_index_copy_` loops over the batch in Python (see the seed thread); these
+litgpt's `batched_index_copy_` loops over the batch in Python (docs/DESIGN.md, first paragraph); these
 lower to one `index_select` (a gather: nvFuser's `take`) and one row-wise `index_copy_` instead.
 """
 
