@@ -191,6 +191,8 @@ def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
     assert thunder["compile"]["cold_s"] > 0 and thunder["compile"]["traced"] == 5
     assert thunder["compile"]["disk_cache_hits"] == 5 and thunder["compile"]["warm_s"] < thunder["compile"]["cold_s"]
     assert thunder["recompiled"] is False and thunder["profile"]["top_ops"]
+    host = thunder["host"]  # input building plus everything outside the step: a share of the wall time
+    assert host["inputs_s"] > 0 and host["outside_steps_s"] > 0 and 0 < host["share"] < 1
     assert "speedup" in thunder and "vs_eager" in thunder["speedup"]
     if "thunder-nvfuser" in result["skipped"]:
         assert "unavailable" in result["skipped"]["thunder-nvfuser"]

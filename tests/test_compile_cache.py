@@ -411,18 +411,26 @@ def test_compile_command_lists_and_clears(traced, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_two_engines_compiling_the_same_key_at_once(tmp_path):
+def test_two_engines_compiling_the_same_key_at_once(traced, tmp_path):
+    """Each traces what it does not find stored and may load a piece the other has just stored: no
+    warning either way, one sound entry per piece, and both give the outputs of a single engine."""
     script = textwrap.dedent(f"""
-        import sys, warnings
+        import json, sys, warnings
         sys.path.insert(0, {str(TESTS_DIR)!r})
         from thunder_batch.compile.cache import CompileCacheWarning
         warnings.simplefilter("error", CompileCacheWarning)
-        from test_compile_cache import make_engine, PROMPTS, PARAMS
+        from test_compile_cache import make_engine, outputs, PROMPTS, PARAMS
         engine = make_engine({str(tmp_path)!r})
-        engine.generate(PROMPTS, PARAMS)
-        assert engine.stats()["disk_cache_hits"] == 0  # both traced: neither found the other's entry
+        print(json.dumps(dict(outputs=outputs(engine.generate(PROMPTS, PARAMS)))))
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    assert [p.wait(timeout=600) for p in procs] == [0, 0], [p.stderr.read()[-2000:] for p in procs]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    for out, _ in results:
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["outputs"] == [list(map(list, o)) for o in traced["outputs"]]
     assert set(entries(tmp_path)) == PIECES and len(list(tmp_path.iterdir())) == len(PIECES)  # no temp files
     assert all(read_entry(entry, None)[1] is None for entry in tmp_path.iterdir())

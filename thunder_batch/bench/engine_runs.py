@@ -38,11 +38,23 @@ class StepRecord:
 
 
 class StepRecorder:
-    """Times every `runner.run(plan)` of one engine (wraps the instance's method; the Runner is untouched)."""
+    """Times every `runner.run(plan)` of one engine, and the building of its input tensors (wraps the
+    instance's methods; the Runner class is untouched)."""
 
     def __init__(self, runner) -> None:
         self.steps: list[StepRecord] = []
         self.original = runner.run
+        self.inputs_seconds = 0.0
+        build_inputs = runner.inputs_for
+
+        def inputs_for(plan):
+            start = time.perf_counter()
+            try:
+                return build_inputs(plan)
+            finally:
+                self.inputs_seconds += time.perf_counter() - start
+
+        runner.inputs_for = inputs_for
 
         def run(plan):
             start = time.perf_counter()
@@ -133,6 +145,19 @@ def drive(engine, workload: list[BenchRequest], ctx: BenchContext, desc: str) ->
     return [traces[r.index] for r in workload], wall
 
 
+def host_share(recorder: StepRecorder, wall: float) -> dict:
+    """Host-side work as a share of the run's wall time: building input tensors, and everything
+    outside `runner.run` (scheduling, token appends, stop checks, detokenization; arrival waits in
+    online runs)."""
+    in_steps = sum(s.seconds for s in recorder.steps)
+    outside = max(wall - in_steps, 0.0)
+    return dict(
+        inputs_s=recorder.inputs_seconds,
+        outside_steps_s=outside,
+        share=(recorder.inputs_seconds + outside) / max(wall, 1e-9),
+    )
+
+
 def profile_decode_step(run, batch_size: int, top: int = 12) -> dict:
     """Profile one padding-only decode step (width 1 computes all B rows: a full decode step's work)."""
     from torch.profiler import ProfilerActivity, profile
@@ -166,6 +191,7 @@ def run_engine(gpt, workload: list[BenchRequest], system: str, batch_size: int, 
     extra = dict(
         engine_stats={k: v for k, v in stats.items() if k != "step_widths"},
         recompiled=stats["cache_misses"] > len(engine.config.step_widths),
+        host=host_share(recorder, wall),
     )
     if ctx.profile:
         extra["profile"] = profile_decode_step(recorder.original, batch_size)
