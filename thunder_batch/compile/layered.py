@@ -100,9 +100,9 @@ class LayeredProgram:
                 self._load_stored_blocks(width, args)
             piece = width.shared.find(module)
             if piece is not None:
-                out = self._first_call(width.shared, piece, module, args)
-                if out is not None:
-                    width.blocks[i] = piece.bind(module)
+                bound, out = self._first_call(width.shared, piece, module, args)
+                if bound is not None:
+                    width.blocks[i] = bound
                     return out
             piece, out = trace_piece(module, args, self.options)
             kept = width.shared.add(piece)
@@ -113,17 +113,19 @@ class LayeredProgram:
             self.seconds["block"] += time.perf_counter() - start
 
     def _first_call(self, shared: SharedTraces, piece: TracedPiece, module, args):
-        """Run a shared piece on a new layer; a stored one is checked first (None: it failed)."""
+        """(the piece bound to a new layer, its outputs); a stored piece is checked first against the
+        eager module, and one that fails is dropped: (None, None)."""
+        bound = piece.bind(module)
         if piece.jitted is not None:
-            return piece.bind(module)(*args)
-        out, problem = checked_call(piece, module, args)
+            return bound, bound(*args)
+        out, problem = checked_call(bound, module, args)
         if problem:
             warn(f"compile cache block entry ignored, retracing: failed its load-time check ({problem})")
             shared.traces.remove(piece)
             self.pieces.remove(piece)
             self.loaded["block"] -= 1
-            return None
-        return out
+            return None, None
+        return bound, out
 
     def _make(self, kind: str, module, args: tuple):
         """A prefix or head program: loaded if stored and sound, else traced (and stored)."""
@@ -132,10 +134,11 @@ class LayeredProgram:
             key = self._key(kind, "", args) if self.store is not None else None
             piece = self._load(key) if key is not None else None
             if piece is not None:
-                out, problem = checked_call(piece, module, args)
+                bound = piece.bind(module)
+                out, problem = checked_call(bound, module, args)
                 if not problem:
                     self._count(True, kind, piece, traced=False)
-                    return piece.bind(module), out
+                    return bound, out
                 warn(
                     f"compile cache entry {self.store.path(key).name} ignored, retracing: "
                     f"failed its load-time check ({problem})"
@@ -230,10 +233,10 @@ class LayeredProgram:
         return [t for t in (piece.execution_trace() for piece in self.pieces) if t is not None]
 
 
-def checked_call(piece: TracedPiece, module, args: tuple):
-    """Run a stored piece and the eager module on the same inputs from the same buffer state;
-    returns (the piece's outputs, what disagrees or None). Outputs and in-place writes must agree."""
-    bound = piece.bind(module)
+def checked_call(bound, module, args: tuple):
+    """Run a stored piece bound to `module` and the eager module on the same inputs from the same
+    buffer state; returns (the piece's outputs, what disagrees or None). Outputs and in-place writes
+    must agree."""
     before = [b.clone() for b in bound.writes]
     want = module(*args)
     after_eager = [b.clone() for b in bound.writes]
