@@ -102,26 +102,38 @@ def device_kind(device) -> str:
     return device.type
 
 
-def make_key(program, config, piece: str, signature: str, args, executors: tuple[str, ...], options: dict) -> CacheKey:
-    """Key of one piece of `program` (a StepProgram) traced for call arguments `args` ([B, T, ...] first)."""
-    from thunder_batch.compile.trace_export import tensor_meta
-
+def make_key(program, config, executors: tuple[str, ...], options: dict) -> CacheKey:
+    """The fields every piece of `program` (a StepProgram) shares; `piece_key` fills in the rest.
+    Computed once per program: hashing the module and the sources is not free."""
     weight = program.prefix.gpt.lm_head.weight
     return CacheKey(
-        piece=piece,
-        signature=signature,
+        piece="",
+        signature="",
         model_config=canonical_json(dataclasses.asdict(program.prefix.gpt.config)),
         module_signature=module_signature(program),
         dtype=str(weight.dtype),
         device_kind=device_kind(weight.device),
-        batch_size=int(args[0].shape[0]),
-        width=int(args[0].shape[1]),
+        batch_size=config.batch_size,
+        width=0,
         max_seq_length=config.max_seq_length,
-        inputs=canonical_json([tensor_meta(a) for a in args]),
+        inputs="",
         executors=tuple(executors),
         compile_options=canonical_json(options),
         versions=versions(),
         program_source=program_source_hash(),
+    )
+
+
+def piece_key(base: CacheKey, piece: str, signature: str, args) -> CacheKey:
+    """Key of one piece traced for call arguments `args` ([B, T, ...] first), from the program's key."""
+    from thunder_batch.compile.trace_export import tensor_meta
+
+    return dataclasses.replace(
+        base,
+        piece=piece,
+        signature=signature,
+        width=int(args[0].shape[1]),
+        inputs=canonical_json([tensor_meta(a) for a in args]),
     )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from thunder_batch.compile.cache import EntryStore, make_key, warn
+from thunder_batch.compile.cache import EntryStore, make_key, piece_key, warn
 from thunder_batch.compile.pieces import SharedTraces, TracedPiece, piece_from_record, trace_piece
 from thunder_batch.compile.signature import paths_from_json, paths_to_json
 from thunder_batch.program import StepProgram
@@ -51,6 +51,7 @@ class LayeredProgram:
     ) -> None:
         self.program, self.config, self.options, self.store = program, config, options, store
         self._describe_options = describe_options
+        self._base_key = None  # the cache key's fields shared by every piece
         self._widths: dict[int, _Width] = {}
         # Checked values two identical block traces showed not to matter (litgpt's block_idx): a
         # property of the block's code, learned at the first width and used at every width.
@@ -160,8 +161,10 @@ class LayeredProgram:
 
     # -- the compile cache --------------------------------------------------------------------
     def _key(self, kind: str, signature: str, args: tuple):
-        executors, options = self._describe_options()
-        return make_key(self.program, self.config, kind, signature, args, executors, options)
+        if self._base_key is None:  # made on first use: the model and options are final by then
+            executors, options = self._describe_options()
+            self._base_key = make_key(self.program, self.config, executors, options)
+        return piece_key(self._base_key, kind, signature, args)
 
     def _load(self, key) -> TracedPiece | None:
         record = self.store.load(key)
