@@ -33,19 +33,21 @@ def fill_with_garbage(engine: Engine, seed=0) -> None:
 
 
 def test_padding_and_empty_slots_never_touch_real_entries():
-    """Invariant 1: one 3-token request in slot 0 of 4, one prefill step of width C = 8."""
+    """Invariant 1: one 3-token request in slot 0 of 4, one mixed step (4 decode rows, 2 lanes of C = 8)."""
     engine = eager_engine()
     fill_with_garbage(engine)
     before = [c.k.clone() for c in caches(engine)]
     engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
     engine.step()
     for cache, old in zip(caches(engine), before):
-        changed = (cache.k != old).any(dim=-1).any(dim=1)  # [B, S + C]: entries written
+        changed = (cache.k != old).any(dim=-1).any(dim=1)  # [B, S + 1 + C]: entries written
         assert changed[0, :3].all() and not changed[0, 3:S].any()  # the request's positions only
         assert not changed[1:, :S].any()  # empty slots: no real entry touched
-        # padding t of a row writes scratch entry S + t: slot 0 pads t = 3..7, empty slots all t
-        assert changed[0, S + 3 :].all() and not changed[0, S : S + 3].any() and changed[1:, S:].all()
-    assert engine.runner.gpt.transformer.h[0].attn.kv_cache.k.shape[2] == S + C  # every index < S + C
+        # idle decode rows write scratch entry S; pad t of a lane writes S + 1 + t: lane 0 (slot 0)
+        # pads t = 3..7, idle lane 1 borrows slot 1 for all t
+        assert changed[:, S].all() and changed[0, S + 4 :].all() and not changed[0, S + 1 : S + 4].any()
+        assert changed[1, S + 1 :].all() and not changed[2:, S + 1 :].any()
+    assert engine.runner.gpt.transformer.h[0].attn.kv_cache.k.shape[2] == S + 1 + C  # every index < S + 1 + C
 
 
 def test_slot_reuse_without_clearing_hides_stale_entries():
@@ -64,16 +66,17 @@ def test_slot_reuse_without_clearing_hides_stale_entries():
 
 @pytest.mark.parametrize("family", ["pythia", "llama", "gemma2", "phi2"])
 def test_per_slot_positions_and_chunking_match_full_forward(family):
-    """Invariants 3 and 4: each slot at its own offset, chunk boundaries anywhere, sliding window
-    on: logits equal litgpt's uncached full forward at every real position."""
+    """Invariants 3 and 4: each slot at its own offset, chunk boundaries anywhere, one-token feeds
+    through decode rows and longer ones through lanes, the live window read at varying lengths L,
+    sliding window on: logits equal litgpt's uncached full forward at every real position."""
     gpt = tiny_gpt(family, sliding_window_size=5) if family == "gemma2" else tiny_gpt(family)
     gpt.max_seq_length = 32
     B, T = 3, 4
-    attach_slot_caches(gpt, B, 32 + T)
+    attach_slot_caches(gpt, B, 32 + 1 + T)
     seqs = torch.randint(0, 256, (B, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = gpt.lm_head(gpt.transformer.ln_f(_full_hidden(gpt, seqs)))  # [B, 11, V]
-        chunks = [[4, 4, 3, 0], [1, 4, 4, 2], [0, 3, 4, 4]]  # tokens per step per slot (0: idle)
+        chunks = [[4, 4, 1, 2, 0], [1, 4, 4, 1, 1], [0, 3, 4, 1, 3]]  # tokens per step per slot (0: idle)
         got = _run_chunks(gpt, seqs, chunks, T)
     torch.testing.assert_close(got, reference, rtol=0, atol=2e-5)
 
@@ -88,36 +91,42 @@ def _full_hidden(gpt, seqs):
 
 
 def _run_chunks(gpt, seqs, chunks, T):
-    B = seqs.shape[0]
+    """Steps of B decode rows + B lanes of T rows (lane b feeds slot b), reading L = 8 * ceil(span / 8)."""
+    B, S = seqs.shape[0], gpt.max_seq_length
     done, outs = [0] * B, [[] for _ in range(B)]
     for step in range(len(chunks[0])):
-        x = torch.zeros(B, T, dtype=torch.long)
-        pos = torch.arange(T).repeat(B, 1) + gpt.max_seq_length  # padding -> scratch entries
+        x = torch.zeros(B + B * T, dtype=torch.long)
+        pos = torch.tensor([S] * B + [S + 1 + t for _ in range(B) for t in range(T)])  # pads -> scratch
+        row_slot = torch.cat((torch.arange(B), torch.arange(B).repeat_interleave(T)))
+        rows = []
         for b in range(B):
             n = chunks[b][step]
-            x[b, :n], pos[b, :n] = seqs[b, done[b] : done[b] + n], torch.arange(done[b], done[b] + n)
-        logits = gpt.lm_head(forward_hidden(gpt, x, pos))  # [B, T, V]
+            first = b if n == 1 else B + b * T
+            x[first : first + n] = seqs[b, done[b] : done[b] + n]
+            pos[first : first + n] = torch.arange(done[b], done[b] + n)
+            rows.append(range(first, first + n))
+            done[b] += n
+        span = max(done)
+        key_pos = torch.arange(-(-span // 8) * 8)
+        logits = gpt.lm_head(forward_hidden(gpt, x, pos, row_slot, key_pos, lane_len=T))  # [N, V]
         for b in range(B):
-            outs[b].append(logits[b, : chunks[b][step]])
-            done[b] += chunks[b][step]
+            outs[b].append(logits[list(rows[b])])
     return torch.stack([torch.cat(o) for o in outs])
 
 
 def test_mask_follows_from_positions():
-    """Invariant 4: key j visible to query i iff j <= pos_i (and within the window if any)."""
+    """Invariant 4: key j visible to a row at position p iff j <= p (and within the window if any)."""
     config = tiny_gpt("gemma2", sliding_window_size=3).config
-    pos = torch.tensor([[0, 1, 2, 10], [5, 6, 70, 71]])
-    causal, windowed = visibility_masks(pos, 72, config)
+    pos = torch.tensor([0, 1, 2, 10, 5, 6, 70, 71])
+    causal, windowed = visibility_masks(pos, torch.arange(72), config)
     j = torch.arange(72)
-    for b in range(2):
-        for i in range(4):
-            p = int(pos[b, i])
-            assert torch.equal(causal[b, 0, i], j <= p)
-            assert torch.equal(windowed[b, 0, i], (j <= p) & (j > p - 3))
+    for i, p in enumerate(pos.tolist()):
+        assert torch.equal(causal[i], j <= p)
+        assert torch.equal(windowed[i], (j <= p) & (j > p - 3))
 
 
 def test_lm_head_runs_on_last_real_token_only():
-    """Invariant 5 in eager: lm_head sees [B, C] during a prefill step of width T = 8."""
+    """Invariant 5 in eager: lm_head sees [B, C] during a mixed step of 4 + 2 * 8 rows."""
     engine = eager_engine()
     shapes = []
     engine.runner.gpt.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(i[0].shape)))
@@ -194,15 +203,8 @@ def test_traced_step_op_count_does_not_grow_with_batch():
         gpt.requires_grad_(False)
         attach_slot_caches(gpt, B, 17)
         jitted = thunder.jit(StepProgram(gpt))
-        args = (
-            torch.zeros(B, 1, dtype=torch.long),
-            torch.zeros(B, 1, dtype=torch.long),
-            torch.zeros(B, dtype=torch.long),
-            torch.zeros(B),
-            torch.zeros(B, dtype=torch.long),
-            torch.ones(B),
-            torch.zeros(B, dtype=torch.long),
-        )
+        zeros = torch.zeros(B, dtype=torch.long)
+        args = (zeros, zeros, torch.arange(B), torch.arange(16), zeros, torch.zeros(B), zeros, torch.ones(B), zeros)
         jitted(*args)
         names = sorted(b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols)
         counts.append(names)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from thunder_batch.config import SamplingParams
 from thunder_batch.request import Request
 from thunder_batch.scheduler import Scheduler, SlotWork, StepPlan
@@ -16,22 +19,61 @@ def advance(plan):
         w.request.num_cached += len(w.token_ids)
 
 
-def test_prefill_chunks_then_decode_width_one():
-    s = Scheduler(num_slots=2, chunk=4)
+def test_prefill_lane_chunks_then_decode_row():
+    s = Scheduler(num_slots=2, chunk=4, lanes=1)
     r = request("a", 10, max_new_tokens=3)
     s.add(r)
-    widths, feeds, samples = [], [], []
+    lanes, feeds, samples = [], [], []
     for _ in range(3):
         plan = s.schedule()
-        widths.append(plan.width)
+        lanes.append(plan.work[0].lane)
         feeds.append(plan.work[0].token_ids)
         samples.append(plan.work[0].samples)
         advance(plan)
-    assert widths == [4, 4, 4] and feeds == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    assert lanes == [0, 0, 0] and feeds == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
     assert samples == [False, False, True]
     r.append(42, -0.1)
     plan = s.schedule()
-    assert plan.width == 1 and plan.work[0].token_ids == [42] and plan.work[0].start_pos == 10
+    assert not plan.uses_lanes and plan.work[0].token_ids == [42] and plan.work[0].start_pos == 10
+    assert plan.span == 11
+
+
+def test_lanes_go_to_the_oldest_prompts_and_decode_never_pauses():
+    s = Scheduler(num_slots=4, chunk=4, lanes=2)
+    s.add(request("d", 1))
+    run_step(s.schedule())  # a one-token prompt goes through its decode row
+    for r in [request(i, 9) for i in range(3)]:
+        s.add(r)
+    plans = []
+    for _ in range(4):
+        plan = s.schedule()
+        plans.append({w.request.request_id: (w.lane, len(w.token_ids)) for w in plan.work})
+        run_step(plan)
+    assert plans == [
+        {"d": (None, 1), 0: (0, 4), 1: (1, 4)},  # the third prompt waits for a lane
+        {"d": (None, 1), 0: (0, 4), 1: (1, 4)},
+        {"d": (None, 1), 0: (None, 1), 1: (None, 1), 2: (0, 4)},  # a last prompt token goes by decode row
+        {"d": (None, 1), 0: (None, 1), 1: (None, 1), 2: (0, 4)},
+    ]
+
+
+def run_step(plan):
+    """What the engine does after a step: tokens cached, a token appended where one was sampled."""
+    for w in plan.work:
+        w.request.num_cached += len(w.token_ids)
+        if w.samples:
+            w.request.append(50, 0.0)
+
+
+def test_without_lanes_prompts_go_one_token_per_step():
+    s = Scheduler(num_slots=2, chunk=4, lanes=0)
+    s.add(request("a", 3))
+    feeds = []
+    for _ in range(3):
+        plan = s.schedule()
+        feeds.append((plan.work[0].token_ids, plan.work[0].samples, plan.uses_lanes))
+        advance(plan)
+    assert feeds == [([1], False, False), ([2], False, False), ([3], True, False)]
 
 
 def test_fifo_admission_into_freed_slots():
@@ -46,12 +88,66 @@ def test_fifo_admission_into_freed_slots():
     assert list(s.waiting) == [] and s.find(3) is None and s.has_unfinished()
 
 
-def test_width_one_when_every_slot_has_one_pending_token():
-    s = Scheduler(num_slots=3, chunk=8)
-    s.add(request("one", 1))
-    s.add(request("two", 1))
-    plan = s.schedule()
-    assert plan.width == 1 and all(w.samples for w in plan.work)
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 5),
+    st.integers(1, 6),
+    st.integers(0, 3),
+    st.lists(st.tuples(st.integers(0, 6), st.integers(1, 20), st.integers(1, 5), st.booleans()), max_size=12),
+)
+def test_random_traffic_plans(num_slots, chunk, lanes, arrivals):
+    """Random arrival steps, prompt and output lengths, aborts: every plan feeds each request's tokens in
+    order from its cached count, decoding slots every step, lanes to the oldest prompts, at most
+    `lanes`, one slot each; every request ends."""
+    lanes = min(lanes, num_slots)
+    s = Scheduler(num_slots, chunk, lanes)
+    pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])  # (id, (arrival step, prompt, new, aborted))
+    fed, admitted_order = {}, []
+    for step in range(400):
+        while pending and pending[0][1][0] <= step:
+            rid, (_, n_prompt, n_new, aborted) = pending.pop(0)
+            s.add(request(rid, n_prompt, max_new_tokens=n_new))
+        if step % 7 == 3:  # abort the newest request that asked for it, wherever it is
+            victims = [r for r in [*s.waiting, *s.slots] if r is not None and arrivals[r.request_id][3]]
+            if victims:
+                s.remove(victims[-1])
+        plan = s.schedule()
+        if plan is None:
+            if not pending:
+                break
+            continue
+        _check_plan(s, plan, chunk, lanes, admitted_order)
+        for w in plan.work:
+            fed.setdefault(w.request.request_id, []).extend(w.token_ids)
+            w.request.num_cached += len(w.token_ids)
+            if w.samples and w.request.append(100 + len(w.request.output_ids), 0.0).finished:
+                s.remove(w.request)
+    assert not s.has_unfinished() and not pending
+    for rid, tokens in fed.items():
+        n_prompt, n_new = arrivals[rid][1], arrivals[rid][2]
+        want = list(range(1, n_prompt + 1)) + [100 + i for i in range(n_new - 1)]
+        assert tokens == want[: len(tokens)]
+        assert arrivals[rid][3] or tokens == want  # only an aborted request stops early
+
+
+def _check_plan(s: Scheduler, plan: StepPlan, chunk: int, lanes: int, admitted_order: list) -> None:
+    for r in s.slots:
+        if r is not None and r.request_id not in admitted_order:
+            admitted_order.append(r.request_id)
+    slots = [w.slot for w in plan.work]
+    assert len(slots) == len(set(slots))
+    in_lanes = [w for w in plan.work if w.lane is not None]
+    assert sorted(w.lane for w in in_lanes) == list(range(len(in_lanes))) and len(in_lanes) <= lanes
+    for w in plan.work:
+        assert w.start_pos == w.request.num_cached and 1 <= len(w.token_ids) <= (chunk if w.lane is not None else 1)
+    running = [r for r in s.slots if r is not None]
+    decoding = [r for r in running if len(r.pending_ids()) == 1]
+    assert {w.request.request_id for w in plan.work if w.lane is None} >= {r.request_id for r in decoding}
+    prefilling = sorted((r for r in running if len(r.pending_ids()) > 1), key=lambda r: admitted_order.index(r.request_id))
+    if lanes:
+        assert [w.request.request_id for w in sorted(in_lanes, key=lambda w: w.lane)] == [
+            r.request_id for r in prefilling[:lanes]
+        ]
 
 
 def test_token_stop_is_held_back_until_decided():
@@ -81,13 +177,13 @@ def test_head_for_picks_the_cheapest_head_that_serves_every_sampling_slot():
 
     def work(params, samples=True):
         request = Request(0, [1, 2], params, 0, frozenset(), None)
-        return SlotWork(0, request, [2], 1, samples=samples)
+        return SlotWork(0, request, [2], 1, samples=samples, lane=None if samples else 0)
 
     greedy, temp = SamplingParams(), SamplingParams(temperature=0.8)
     top_p, top_k = SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_k=5)
-    assert head_for(StepPlan(1, [work(greedy), work(greedy)])) == "greedy"
-    assert head_for(StepPlan(4, [work(greedy), work(top_p, samples=False)])) == "greedy"  # still prefilling
-    assert head_for(StepPlan(1, [work(greedy), work(temp)])) == "unfiltered"
-    assert head_for(StepPlan(1, [work(temp), work(top_p)])) == "filtered"
-    assert head_for(StepPlan(1, [work(top_k)])) == "filtered"
-    assert head_for(StepPlan(1, [work(SamplingParams(top_k=5, top_p=0.5))])) == "greedy"  # temperature 0
+    assert head_for(StepPlan([work(greedy), work(greedy)])) == "greedy"
+    assert head_for(StepPlan([work(greedy), work(top_p, samples=False)])) == "greedy"  # still prefilling
+    assert head_for(StepPlan([work(greedy), work(temp)])) == "unfiltered"
+    assert head_for(StepPlan([work(temp), work(top_p)])) == "filtered"
+    assert head_for(StepPlan([work(top_k)])) == "filtered"
+    assert head_for(StepPlan([work(SamplingParams(top_k=5, top_p=0.5))])) == "greedy"  # temperature 0

@@ -50,14 +50,21 @@ class EngineOptions(ModelOptions):
     Args:
         batch_size: Slots in the compiled step program (B): requests decoded together; more wait in a queue.
         max_seq_length: Tokens of KV cache per slot (prompt + generated must fit).
-        prefill_chunk: Prompt tokens a slot feeds per step (C).
-        compile: "thunder" traces the step program once per step width; "eager" runs it as is.
+        prefill_chunk: Prompt tokens a prefill lane feeds per step (C).
+        prefill_lanes: Prefill lanes per step (P): prompts read at once, C tokens each, beside the B
+            decode rows; 0 feeds prompts one token per step through the decode rows.
+        attention_lengths: Rungs L of the attention-length ladder: a step reads the first L cache
+            entries, the smallest rung covering every busy position. Default: 256, 512, ... up to
+            max_seq_length (always the top rung).
+        compile: "thunder" traces the step program once per step shape; "eager" runs it as is.
         cache_dir: Compile cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
     """
 
     batch_size: int = 8
     max_seq_length: int = 1024
     prefill_chunk: int = 64
+    prefill_lanes: int = 2
+    attention_lengths: list[int] | None = None
     compile: Literal["thunder", "eager"] = "thunder"
     cache_dir: str | None = None
 
@@ -68,6 +75,8 @@ class EngineOptions(ModelOptions):
             batch_size=self.batch_size,
             max_seq_length=self.max_seq_length,
             prefill_chunk=self.prefill_chunk,
+            prefill_lanes=self.prefill_lanes,
+            attention_lengths=self.attention_lengths,
             compile=self.compile,
             cache_dir=self.cache_dir,
         )

@@ -43,13 +43,30 @@ def _require_int(name: str, value, minimum: int) -> None:
 
 
 @dataclass(frozen=True)
+class StepShape:
+    """One compiled step shape: `lanes` prefill lanes (0: decode only) and `length` cache entries read."""
+
+    lanes: int
+    length: int
+
+    def describe(self, config: EngineConfig) -> str:
+        kind = f"{self.lanes}x{config.prefill_chunk} prefill + " if self.lanes else ""
+        return f"{kind}{config.batch_size} decode rows, attend {self.length}"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    """Shape of the compiled step: B slots, a cache of `max_seq_length` tokens per slot, and
-    step widths T in {prefill_chunk, 1}."""
+    """Shape of the compiled step: B slots with a cache of `max_seq_length` tokens each; a step feeds
+    B decode rows plus, while prompts are being read, `prefill_lanes` lanes of `prefill_chunk` tokens,
+    and attends over the first L cache entries, L a rung of `attention_lengths`."""
 
     batch_size: int = 8
     max_seq_length: int = 1024
     prefill_chunk: int = 64
+    prefill_lanes: int = 2
+    # Rungs L of the attention-length ladder, each <= max_seq_length (which is always the top rung).
+    # None: 256, 512, 1024, ... below max_seq_length, then max_seq_length.
+    attention_lengths: tuple[int, ...] | None = None
     compile: str = "thunder"
     executors: tuple[str, ...] | None = None  # None: Thunder's defaults for the device
     cuda_graphs: bool = False
@@ -64,6 +81,10 @@ class EngineConfig:
         _require_int("prefill_chunk", self.prefill_chunk, 1)
         if self.prefill_chunk > self.max_seq_length:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be <= max_seq_length ({self.max_seq_length})")
+        _require_int("prefill_lanes", self.prefill_lanes, 0)
+        if self.prefill_lanes > self.batch_size:
+            raise ValueError(f"prefill_lanes ({self.prefill_lanes}) must be <= batch_size ({self.batch_size})")
+        object.__setattr__(self, "attention_lengths", self._ladder())
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.trace not in TRACE_MODES:
@@ -74,10 +95,36 @@ class EngineConfig:
         if self.executors is not None:
             object.__setattr__(self, "executors", tuple(self.executors))
 
+    def _ladder(self) -> tuple[int, ...]:
+        S, rungs = self.max_seq_length, self.attention_lengths
+        if rungs is None:
+            rungs = tuple(256 * 2**i for i in range(max(S.bit_length() - 8, 0)) if 256 * 2**i < S)
+        if not isinstance(rungs, (tuple, list)) or not all(is_int(r) and 1 <= r <= S for r in rungs):
+            raise ParamError(
+                "attention_lengths", f"attention_lengths must be ints in [1, max_seq_length={S}], got {rungs!r}"
+            )
+        return tuple(sorted({*rungs, S}))
+
     @property
-    def step_widths(self) -> tuple[int, ...]:
-        """The T values the step program is traced for: one trace each, never more."""
-        return tuple(sorted({1, self.prefill_chunk}))
+    def lanes(self) -> int:
+        """Prefill lanes of a mixed step; 0 when prompts go in one token per step through decode rows
+        (no lanes asked for, or a chunk of 1)."""
+        return self.prefill_lanes if self.prefill_chunk > 1 else 0
+
+    @property
+    def step_shapes(self) -> tuple[StepShape, ...]:
+        """Every shape the step program is made for, each once, whatever the traffic: a decode-only
+        and (with lanes) a mixed step at each rung of the attention-length ladder."""
+        kinds = (0, self.lanes) if self.lanes else (0,)
+        return tuple(StepShape(lanes, length) for lanes in kinds for length in self.attention_lengths)
+
+    def step_rows(self, lanes: int) -> int:
+        """N, the rows of a step with this many lanes: B decode rows + lanes * prefill_chunk."""
+        return self.batch_size + lanes * self.prefill_chunk
+
+    def attention_length(self, span: int) -> int:
+        """The smallest rung covering cache entries 0 .. span-1."""
+        return next(r for r in self.attention_lengths if r >= span)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.prompt_style = prompt_style or prompt_style_for(model.config)
         self.runner = Runner(model, self.config)
-        self.scheduler = Scheduler(self.config.batch_size, self.config.prefill_chunk)
+        self.scheduler = Scheduler(self.config.batch_size, self.config.prefill_chunk, self.config.lanes)
         self.vocab_size = model.config.padded_vocab_size
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_ids = frozenset() if eos is None else frozenset({eos})
@@ -195,19 +195,19 @@ class Engine:
             self.scheduler.add(request)
         return [request.request_id for request in requests]
 
-    def warmup(self, progress: bool = False) -> dict[int, float]:
-        """Compile (or load) the step program for every step width now; seconds per width."""
+    def warmup(self, progress: bool = False) -> dict:
+        """Compile (or load) the step program for every step shape now; seconds per StepShape."""
         return self.runner.warmup(progress)
 
     def stats(self) -> dict:
-        """Counters: steps, tokens, requests; `cache_misses` (step widths compiled: one per width,
-        whatever the traffic), `programs` (per piece: prefix, block, head variants),
+        """Counters: steps, tokens, requests; `cache_misses` (step shapes made: one per shape in
+        `step_shapes`, whatever the traffic), `programs` (per piece: prefix, block, head variants),
         `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache), and
         `compile_seconds` (per piece: `compile_seconds_by_piece`)."""
         return dict(
             self._counters,
             **program_stats(self.runner.step_fn),
-            step_widths=list(self.config.step_widths),
+            step_shapes=[shape.describe(self.config) for shape in self.config.step_shapes],
             running=self.scheduler.num_running(),
             waiting=len(self.scheduler.waiting),
         )

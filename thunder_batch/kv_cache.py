@@ -5,16 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from thunder_batch.index_ops import index_copy_2d
+from thunder_batch.index_ops import index_copy_rows
 
 
 class SlotKVCache(nn.Module):
-    """K/V buffers `[B, G, S + C, D]` for B slots and G key/value heads.
+    """K/V buffers `[B, G, S + 1 + C, D]` for B slots and G key/value heads.
 
-    Entries `0 .. S-1` hold real tokens by position; the `C` entries past `S` are a scratch area
-    where padding tokens write (pad t of a row writes at `S + t`), so padding never touches an
-    entry a real token reads and no index leaves the buffer. A slot is reused without clearing:
-    the position-derived mask hides whatever a previous request left behind.
+    Entries `0 .. S-1` hold real tokens by position; the entries past `S` are a scratch area where
+    padding rows write (a slot's idle decode row at `S`, pad t of a prefill lane at `S + 1 + t`), so
+    padding never touches an entry a real token reads, no index leaves the buffer, and no step reads
+    scratch (attention reads the first L <= S entries). A slot is reused without clearing: the
+    position-derived mask hides whatever a previous request left behind.
     """
 
     def __init__(
@@ -32,10 +33,10 @@ class SlotKVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def forward(self, write_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # write_pos: [B, T]; k, v: [B, G, T, D] -> whole buffers [B, G, S + C, D]
-        index_copy_2d(self.k, 2, write_pos, k)
-        index_copy_2d(self.v, 2, write_pos, v)
+    def forward(self, row_slot: torch.Tensor, write_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        # row_slot, write_pos: [N]; k, v: [N, G, D] -> whole buffers [B, G, S + 1 + C, D]
+        index_copy_rows(self.k, 2, row_slot, write_pos, k)
+        index_copy_rows(self.v, 2, row_slot, write_pos, v)
         return self.k, self.v
 
 

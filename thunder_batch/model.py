@@ -1,8 +1,11 @@
-"""One step of a litgpt GPT with per-slot positions, using the model's own modules and weights.
+"""One step of a litgpt GPT over a flat batch of rows, using the model's own modules and weights.
 
-Differences from `GPT.forward` that batching needs: positions are `[B, T]` (each slot its own),
-the mask follows from positions alone (key j visible to query i iff j <= pos_i), the KV cache is
-a `SlotKVCache`, and grouped K/V heads are never copied to every query head.
+A step feeds N = B + P*C rows: first one decode row per slot (row b is slot b), then P prefill lanes
+of C tokens, each lane bound to one slot. Every row carries its own position and slot; key j is
+visible to a row at position p iff j <= p; attention reads the first L cache entries (L from the
+`key_pos` input, the smallest rung of a fixed ladder covering every busy position). Linear layers run
+on the N rows; decode rows attend over their own slot's cache, a lane over its slot's cache gathered
+by slot index. Grouped K/V heads are never copied to every query head.
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ import math
 import torch
 import torch.nn.functional as F
 from litgpt.model import apply_rope, apply_rope_interleave, do_softcapping
-
-from thunder_batch.index_ops import index_select_2d
 
 
 def check_supported(config) -> None:
@@ -26,14 +27,15 @@ def check_supported(config) -> None:
         raise NotImplementedError(f"{config.name}: mixture-of-experts MLPs are not supported")
 
 
-def visibility_masks(input_pos: torch.Tensor, cache_len: int, config) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masks over the cache from positions alone: (global, sliding window), each `[B, 1, T, L]` bool."""
-    key_pos = torch.arange(cache_len, device=input_pos.device)  # [L]
-    query_pos = input_pos.unsqueeze(-1)  # [B, T, 1]
-    causal = key_pos <= query_pos  # [B, T, L]
+def visibility_masks(input_pos: torch.Tensor, key_pos: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masks over the cache entries read, from positions alone: (global, sliding window), each `[N, L]` bool.
+    input_pos: [N]; key_pos: [L] (0 .. L-1)."""
+    query_pos = input_pos.unsqueeze(-1)  # [N, 1]
+    causal = key_pos <= query_pos  # [N, L]
     window = config.sliding_window_size
-    windowed = causal & (key_pos > query_pos - window) if window is not None else causal
-    return causal.unsqueeze(1), windowed.unsqueeze(1)
+    if window is None:  # a distinct tensor all the same: a program may not return one value twice
+        return causal, causal.clone()
+    return causal, causal & (key_pos > query_pos - window)
 
 
 def grouped_attention(q, k, v, mask, config) -> torch.Tensor:
@@ -60,35 +62,54 @@ def grouped_attention(q, k, v, mask, config) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config) -> torch.Tensor:
+    # x: [N, heads, D]; cos, sin: [N, n_elem], one position per row
     n_elem = config.rope_n_elem
     rotate = apply_rope_interleave if config.rope_interleave else apply_rope
-    return torch.cat((rotate(x[..., :n_elem], cos, sin), x[..., n_elem:]), dim=-1)
+    roped = rotate(x[..., :n_elem], cos.unsqueeze(1), sin.unsqueeze(1))  # cos as [N, 1, n_elem]
+    return torch.cat((roped, x[..., n_elem:]), dim=-1)
 
 
-def attention_forward(attn, x, cos, sin, mask, input_pos) -> torch.Tensor:
-    """litgpt CausalSelfAttention with a slot KV cache. x: [B, T, C] -> [B, T, C]."""
+def attention_forward(attn, x, cos, sin, mask, input_pos, row_slot, lane_len: int) -> torch.Tensor:
+    """litgpt CausalSelfAttention over a step's rows with slot KV caches. x: [N, C] -> [N, C]."""
     cfg = attn.config
-    B, T, _ = x.shape
+    N = x.shape[0]
     H, G, D = cfg.n_head, cfg.n_query_groups, cfg.head_size
-    q, k, v = attn.qkv(x).split((H * D, G * D, G * D), dim=-1)  # [B, T, *]
+    q, k, v = attn.qkv(x).split((H * D, G * D, G * D), dim=-1)  # [N, *]
     if cfg.norm_qk and cfg.norm_qk_type == "olmo2":
         q, k = attn.norm_q(q), attn.norm_k(k)
-    q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-    k = k.view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
-    v = v.view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
+    q, k, v = q.view(N, H, D), k.view(N, G, D), v.view(N, G, D)
     if cfg.norm_qk and cfg.norm_qk_type == "default":
         q, k = attn.norm_q(q), attn.norm_k(k)
     q, k = _rope(q, cos, sin, cfg), _rope(k, cos, sin, cfg)
-    k, v = attn.kv_cache(input_pos, k, v)  # [B, G, L, D]
-    return attn.proj(grouped_attention(q, k, v, mask, cfg))
+    cache_k, cache_v = attn.kv_cache(row_slot, input_pos, k, v)  # [B, G, S + 1 + C, D]
+    return attn.proj(slot_attention(q, cache_k, cache_v, mask, row_slot, lane_len, cfg))
 
 
-def block_forward(block, x, cos, sin, masks, input_pos) -> torch.Tensor:
-    """litgpt Block.forward (both residual layouts) with our attention. x: [B, T, C]."""
+def slot_attention(q, cache_k, cache_v, mask, row_slot, lane_len: int, config) -> torch.Tensor:
+    """Each row against its own slot's first L cache entries. q: [N, H, D]; cache_k/v: [B, G, S', D];
+    mask: [N, L]; row_slot: [N] -> [N, H * D]. Rows 0..B-1 decode slot b; the rest are lanes of `lane_len`."""
+    B, L = cache_k.shape[0], mask.shape[-1]
+    N, H, D = q.shape
+    keys, values = cache_k[:, :, :L], cache_v[:, :, :L]  # [B, G, L, D]: the live window only
+    decode = grouped_attention(q[:B].unsqueeze(2), keys, values, mask[:B].view(B, 1, 1, L), config)  # [B, 1, H*D]
+    if N == B:  # a decode-only step
+        return decode.view(B, H * D)
+    P = (N - B) // lane_len
+    lane_slot = row_slot[B::lane_len]  # [P]: a lane's rows all belong to its slot
+    lane_q = q[B:].view(P, lane_len, H, D).transpose(1, 2)  # [P, H, C, D]
+    lane_k, lane_v = keys.index_select(0, lane_slot), values.index_select(0, lane_slot)  # [P, G, L, D]
+    lane_mask = mask[B:].view(P, 1, lane_len, L)
+    lanes = grouped_attention(lane_q, lane_k, lane_v, lane_mask, config)  # [P, C, H*D]
+    return torch.cat((decode.view(B, H * D), lanes.reshape(P * lane_len, H * D)))
+
+
+def block_forward(block, x, cos, sin, masks, input_pos, row_slot, lane_len: int) -> torch.Tensor:
+    """litgpt Block.forward (both residual layouts) with our attention. x: [N, C]."""
     cfg = block.config
     mask = masks[1] if block.attn.apply_sliding_window_attention else masks[0]
     x_normed = block.norm_1(x)
-    attention_output = block.post_attention_norm(attention_forward(block.attn, x_normed, cos, sin, mask, input_pos))
+    attention = attention_forward(block.attn, x_normed, cos, sin, mask, input_pos, row_slot, lane_len)
+    attention_output = block.post_attention_norm(attention)
     if cfg.parallel_residual:
         if not cfg.shared_attention_norm:
             x_normed = block.norm_2(x)
@@ -99,26 +120,25 @@ def block_forward(block, x, cos, sin, masks, input_pos) -> torch.Tensor:
     return block.post_mlp_norm(block.mlp(x_normed)) + x
 
 
-def step_inputs(gpt, idx: torch.Tensor, input_pos: torch.Tensor, cache_len: int):
-    """What every block reads: x [B, T, C], cos/sin [B, T, n_elem], masks (global, window) [B, 1, T, L].
+def step_inputs(gpt, idx: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor):
+    """What every block reads: x [N, C], cos/sin [N, n_elem], masks (global, window) [N, L].
 
-    Real positions are < S (= gpt.max_seq_length); padding carries S + t, its scratch cache entry.
+    Real positions are < S (= gpt.max_seq_length); padding carries a scratch position >= S.
     """
     cfg = gpt.config
     rope_pos = torch.remainder(input_pos, gpt.max_seq_length)  # pads read any valid row
-    cos = index_select_2d(gpt.cos, 0, rope_pos)  # [B, T, n_elem]
-    sin = index_select_2d(gpt.sin, 0, rope_pos)  # [B, T, n_elem]
-    mask_global, mask_window = visibility_masks(input_pos, cache_len, cfg)
-    x = gpt.transformer.wte(idx)  # [B, T, C]
+    cos = gpt.cos.index_select(0, rope_pos)  # [N, n_elem]
+    sin = gpt.sin.index_select(0, rope_pos)  # [N, n_elem]
+    mask_global, mask_window = visibility_masks(input_pos, key_pos, cfg)
+    x = gpt.transformer.wte(idx)  # [N, C]
     if cfg.scale_embeddings:
         x = x * torch.tensor(cfg.n_embd**0.5, dtype=x.dtype)
     return x, cos, sin, mask_global, mask_window
 
 
-def forward_hidden(gpt, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-    """Final-norm hidden states of every position for one step. idx, input_pos: [B, T] -> [B, T, C]."""
-    cache_len = gpt.transformer.h[0].attn.kv_cache.k.shape[2]
-    x, cos, sin, *masks = step_inputs(gpt, idx, input_pos, cache_len)
+def forward_hidden(gpt, idx, input_pos, row_slot, key_pos, lane_len: int = 1) -> torch.Tensor:
+    """Final-norm hidden states of every row of one step (see the module docstring) -> [N, C]."""
+    x, cos, sin, *masks = step_inputs(gpt, idx, input_pos, key_pos)
     for block in gpt.transformer.h:
-        x = block_forward(block, x, cos, sin, masks, input_pos)
+        x = block_forward(block, x, cos, sin, masks, input_pos, row_slot, lane_len)
     return gpt.transformer.ln_f(x)

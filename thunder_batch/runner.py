@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from thunder_batch.compile import load_or_compile_program
-from thunder_batch.config import EngineConfig
+from thunder_batch.config import EngineConfig, StepShape
 from thunder_batch.kv_cache import attach_slot_caches
 from thunder_batch.model import check_supported
 from thunder_batch.program import HEADS, StepProgram
@@ -17,16 +17,28 @@ from thunder_batch.scheduler import StepPlan
 
 @dataclass
 class StepInputs:
-    idx: torch.Tensor  # [B, T] token ids (0 where padding)
-    input_pos: torch.Tensor  # [B, T] positions; padding t carries S + t (its scratch entry)
-    last_idx: torch.Tensor  # [B] index in T of each slot's last real token
+    idx: torch.Tensor  # [N] token ids (0 where padding); N = B decode rows + lanes * C
+    input_pos: torch.Tensor  # [N] positions; padding carries its scratch entry (>= S)
+    row_slot: torch.Tensor  # [N] the slot whose cache each row writes and reads
+    key_pos: torch.Tensor  # [L] 0 .. L-1: the cache entries this step reads
+    last_row: torch.Tensor  # [B] each slot's last real row (its decode row when it samples nothing)
     temperature: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] float32
     seed: torch.Tensor  # [B] int64
 
     def as_args(self) -> tuple[torch.Tensor, ...]:
-        return (self.idx, self.input_pos, self.last_idx, self.temperature, self.top_k, self.top_p, self.seed)
+        return (
+            self.idx,
+            self.input_pos,
+            self.row_slot,
+            self.key_pos,
+            self.last_row,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.seed,
+        )
 
 
 class Runner:
@@ -43,32 +55,43 @@ class Runner:
         self.device = gpt.lm_head.weight.device
         gpt.max_seq_length = config.max_seq_length
         gpt.eval().requires_grad_(False)
-        # Room for the widest step's padding past the real positions (see SlotKVCache).
-        attach_slot_caches(gpt, config.batch_size, config.max_seq_length + max(config.step_widths))
+        # Scratch room past the real positions for padding rows (see SlotKVCache).
+        attach_slot_caches(gpt, config.batch_size, config.max_seq_length + 1 + config.prefill_chunk)
         self.gpt = gpt
-        self.program = StepProgram(gpt)
+        self.program = StepProgram(gpt, config.prefill_chunk)
         self.step_fn = load_or_compile_program(self.program, config)
         # A head without the top-k/top-p sort is one more small piece, but one more whole trace of
         # the model with trace="step": there, every step keeps the sort.
         whole_step = config.compile == "thunder" and config.trace == "step"
         self.head_variants = ("filtered",) if whole_step else HEADS
 
-    def inputs_for(self, plan: StepPlan) -> StepInputs:
-        B, T, S = self.config.batch_size, plan.width, self.config.max_seq_length
-        idx = [[0] * T for _ in range(B)]
-        pos = [[S + t for t in range(T)] for _ in range(B)]
-        last, temperature, top_k, top_p, seed = [0] * B, [0.0] * B, [0] * B, [1.0] * B, [0] * B
+    def shape_for(self, plan: StepPlan) -> StepShape:
+        """Lanes when any slot prefills through one; the shortest rung covering every fed position."""
+        lanes = self.config.lanes if plan.uses_lanes else 0
+        return StepShape(lanes, self.config.attention_length(plan.span))
+
+    def inputs_for(self, plan: StepPlan, shape: StepShape | None = None) -> StepInputs:
+        shape = shape or self.shape_for(plan)
+        B, S, C = self.config.batch_size, self.config.max_seq_length, self.config.prefill_chunk
+        # decode row b: slot b, pad at scratch entry S; lane p token t: its slot, pad at S + 1 + t
+        idx = [0] * self.config.step_rows(shape.lanes)
+        pos = [S] * B + [S + 1 + t for _ in range(shape.lanes) for t in range(C)]
+        row_slot = list(range(B)) + _lane_slots(plan, shape.lanes, B, C)
+        last, temperature, top_k, top_p, seed = list(range(B)), [0.0] * B, [0] * B, [1.0] * B, [0] * B
         for w in plan.work:
+            first = w.slot if w.lane is None else B + w.lane * C
             n, params = len(w.token_ids), w.request.params
-            idx[w.slot][:n] = w.token_ids
-            pos[w.slot][:n] = range(w.start_pos, w.start_pos + n)
-            last[w.slot] = n - 1
+            idx[first : first + n] = w.token_ids
+            pos[first : first + n] = range(w.start_pos, w.start_pos + n)
+            last[w.slot] = first + n - 1
             temperature[w.slot], top_p[w.slot] = float(params.temperature), float(params.top_p)
             top_k[w.slot], seed[w.slot] = params.top_k or 0, w.request.seed
         long, dev = torch.int64, self.device
         return StepInputs(
             torch.tensor(idx, dtype=long, device=dev),
             torch.tensor(pos, dtype=long, device=dev),
+            torch.tensor(row_slot, dtype=long, device=dev),
+            torch.arange(shape.length, dtype=long, device=dev),
             torch.tensor(last, dtype=long, device=dev),
             torch.tensor(temperature, dtype=torch.float32, device=dev),
             torch.tensor(top_k, dtype=long, device=dev),
@@ -76,36 +99,48 @@ class Runner:
             torch.tensor(seed, dtype=long, device=dev),
         )
 
-    def warmup(self, progress: bool = False) -> dict[int, float]:
-        """Run every step width once with all slots empty (padding writes only scratch entries), so
-        tracing happens now rather than at the first request; returns seconds per width."""
+    def warmup(self, progress: bool = False) -> dict[StepShape, float]:
+        """Run every step shape once with all slots empty (padding writes only scratch entries), so
+        tracing happens now rather than at the first request; returns seconds per shape."""
         import time
 
         from tqdm import tqdm
 
         seconds = {}
-        widths = tqdm(
-            self.config.step_widths,
+        shapes = tqdm(
+            self.config.step_shapes,
             desc=f"compiling ({self.config.compile})",
             unit="shape",
             disable=not progress,
             file=sys.stderr,
         )
-        for width in widths:
+        for shape in shapes:
             start = time.perf_counter()
-            for head in self.head_variants:  # with and without the top-k/top-p sort, greedy
-                self.run(StepPlan(width, []), head)
-            seconds[width] = time.perf_counter() - start
+            # Heads see N rows, not L: every variant once per row count (the ladder's first rung).
+            first_rung = shape.length == self.config.attention_lengths[0]
+            for head in self.head_variants if first_rung else self.head_variants[:1]:
+                self.run(StepPlan([]), head, shape)
+            seconds[shape] = time.perf_counter() - start
         return seconds
 
-    def run(self, plan: StepPlan, head: str | None = None) -> tuple[list[int], list[float]]:
+    def run(
+        self, plan: StepPlan, head: str | None = None, shape: StepShape | None = None
+    ) -> tuple[list[int], list[float]]:
         """One step; returns the sampled token and its logprob for every slot (one host sync).
         The head (see StepHead) is the cheapest that serves every slot sampling this step."""
         if head is None:
             head = head_for(plan) if len(self.head_variants) > 1 else self.head_variants[0]
         with torch.no_grad():
-            token, logprob = self.step_fn(*self.inputs_for(plan).as_args(), head=head)
+            token, logprob = self.step_fn(*self.inputs_for(plan, shape).as_args(), head=head)
         return token.tolist(), logprob.tolist()
+
+
+def _lane_slots(plan: StepPlan, lanes: int, B: int, C: int) -> list[int]:
+    """Slot of each lane row: a busy lane's own slot; an idle lane borrows a slot no busy lane uses,
+    so that no two pads write the same scratch entry."""
+    busy = {w.lane: w.slot for w in plan.work if w.lane is not None}
+    spare = iter(s for s in range(B) if s not in busy.values())
+    return [slot for lane in range(lanes) for slot in [busy[lane] if lane in busy else next(spare)] * C]
 
 
 def head_for(plan: StepPlan) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -10,33 +11,47 @@ from thunder_batch.request import Request
 
 @dataclass(frozen=True)
 class SlotWork:
-    """Tokens one slot feeds this step, from position `start_pos`; `samples` is True when they
-    are all of the request's pending tokens, so the token sampled after them is a real output."""
+    """Tokens one slot feeds this step, from position `start_pos`: one token through the slot's
+    decode row (`lane` None), or up to a chunk through prefill lane `lane`. `samples` is True when
+    they are all of the request's pending tokens, so the token sampled after them is a real output."""
 
     slot: int
     request: Request
     token_ids: list[int]
     start_pos: int
     samples: bool
+    lane: int | None = None
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    width: int  # T of this step: the prefill chunk while any slot prefills, else 1
     work: list[SlotWork]
+
+    @property
+    def uses_lanes(self) -> bool:
+        return any(w.lane is not None for w in self.work)
+
+    @property
+    def span(self) -> int:
+        """Cache entries this step must read: every fed token's position is below it."""
+        return max((w.start_pos + len(w.token_ids) for w in self.work), default=1)
 
 
 class Scheduler:
     """Admits waiting requests into free slots (FIFO) and plans each step.
 
-    A slot with prompt left feeds up to `chunk` tokens; a decoding slot feeds its last token.
-    Both kinds share one step, so decoding never pauses while another slot prefills.
+    A decoding slot (one pending token) feeds it through its decode row, every step: decode never
+    pauses. Slots with prompt left take the `lanes` prefill lanes in admission order, up to `chunk`
+    tokens each per step (a long prompt spans several steps); the others wait for a lane. With no
+    lanes, prompts go in one token per step through the decode rows.
     """
 
-    def __init__(self, num_slots: int, chunk: int) -> None:
-        self.chunk = chunk
+    def __init__(self, num_slots: int, chunk: int, lanes: int = 0) -> None:
+        self.chunk, self.lanes = chunk, lanes
         self.slots: list[Request | None] = [None] * num_slots
         self.waiting: deque[Request] = deque()
+        self._admitted = itertools.count()
+        self._admission: dict[int, int] = {}  # slot -> admission order of its request
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -64,11 +79,20 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Admit into free slots, then plan one step; None when there is nothing to run."""
         self._admit()
-        work = [self._work_for(slot, r) for slot, r in enumerate(self.slots) if r is not None]
-        if not work:
-            return None
-        width = self.chunk if any(len(w.token_ids) > 1 for w in work) else 1
-        return StepPlan(width, work)
+        prefilling = []
+        work = []
+        for slot, request in enumerate(self.slots):
+            if request is None:
+                continue
+            pending = request.pending_ids()
+            if len(pending) == 1 or not self.lanes:
+                work.append(SlotWork(slot, request, pending[:1], request.num_cached, samples=len(pending) == 1))
+            else:
+                prefilling.append(slot)
+        prefilling.sort(key=self._admission.__getitem__)
+        for lane, slot in enumerate(prefilling[: self.lanes]):
+            work.append(self._lane_work(lane, slot, self.slots[slot]))
+        return StepPlan(work) if work else None
 
     def _admit(self) -> None:
         for slot, occupant in enumerate(self.slots):
@@ -76,8 +100,9 @@ class Scheduler:
                 request = self.waiting.popleft()
                 request.slot = slot
                 self.slots[slot] = request
+                self._admission[slot] = next(self._admitted)
 
-    def _work_for(self, slot: int, request: Request) -> SlotWork:
+    def _lane_work(self, lane: int, slot: int, request: Request) -> SlotWork:
         pending = request.pending_ids()
         feed = pending[: self.chunk]
-        return SlotWork(slot, request, feed, request.num_cached, samples=len(feed) == len(pending))
+        return SlotWork(slot, request, feed, request.num_cached, samples=len(feed) == len(pending), lane=lane)

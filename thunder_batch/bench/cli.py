@@ -26,6 +26,8 @@ def bench(
     range_ratio: float = 0.5,
     batch_size: str = "8",
     prefill_chunk: int = 64,
+    prefill_lanes: int = 2,
+    attention_lengths: str | None = None,
     max_seq_length: int | None = None,
     request_rate: float = math.inf,
     seed: int = 0,
@@ -52,7 +54,10 @@ def bench(
         input_len: Mean prompt length of the random dataset.
         range_ratio: Spread of the seeded length distributions (0: all lengths equal).
         batch_size: Engine slots B, or a sweep such as "1,4,8,16".
-        prefill_chunk: Prompt tokens a slot feeds per step (C).
+        prefill_chunk: Prompt tokens a prefill lane feeds per step (C).
+        prefill_lanes: Prefill lanes per step (P, at most B): prompts read at once beside the decode rows.
+        attention_lengths: Comma-separated rungs of the attention-length ladder, e.g. "256,512"; None:
+            the engine's default (256, 512, ... up to max_seq_length).
         max_seq_length: KV cache length per slot; None fits the workload (rounded up to 64).
         request_rate: Requests per second of a Poisson arrival process; inf sends all at once (offline).
         seed: Seed of the workload (lengths, random tokens, prompt order, arrival times).
@@ -95,6 +100,8 @@ RUN_OPTIONS = (
     "range_ratio",
     "batch_size",
     "prefill_chunk",
+    "prefill_lanes",
+    "attention_lengths",
     "max_seq_length",
     "request_rate",
     "seed",
@@ -223,6 +230,8 @@ DEFAULTS = dict(
     range_ratio=0.5,
     batch_size="8",
     prefill_chunk=64,
+    prefill_lanes=2,
+    attention_lengths=None,
     max_seq_length=None,
     request_rate=math.inf,
     seed=0,
@@ -247,6 +256,8 @@ def make_context(gpt, tokenizer, opts: dict, max_seq_length: int):
         device=gpt.lm_head.weight.device,
         max_seq_length=max_seq_length,
         prefill_chunk=min(opts["prefill_chunk"], max_seq_length),
+        prefill_lanes=opts["prefill_lanes"],
+        attention_lengths=parse_lengths(opts["attention_lengths"], max_seq_length),
         eos_id=getattr(tokenizer, "eos_id", None),
         ignore_eos=opts["ignore_eos"],
         tokenizer=tokenizer,
@@ -255,6 +266,18 @@ def make_context(gpt, tokenizer, opts: dict, max_seq_length: int):
         warm_compile=opts["warm_compile"],
         profile=opts["profile"],
     )
+
+
+def parse_lengths(value, max_seq_length: int) -> tuple[int, ...] | None:
+    """ "256,512" (or a list) -> the ladder's rungs that fit max_seq_length; None -> None (the default ladder)."""
+    if value is None:
+        return None
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    try:
+        rungs = {int(str(v).strip()) for v in items if str(v).strip()}
+    except ValueError:
+        raise ValueError(f"attention_lengths must be a comma-separated list of ints, got {value!r}") from None
+    return tuple(sorted(r for r in rungs if r <= max_seq_length))
 
 
 def measure_peaks(device, precisions: list[str], matmul_n: int = 2048, copy_mb: int = 256) -> dict:
@@ -278,15 +301,8 @@ def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_labe
     from thunder_batch.bench.workloads import describe
 
     costs = {p: ModelCost.of(gpt) for p, gpt in models.items()}
-    # Each decode step's attention reads every slot's whole K and V buffers (masked, not cut).
-    kv_bytes = {
-        p: 2
-        * c.n_layer
-        * c.kv_width
-        * (ctx.max_seq_length + ctx.prefill_chunk)
-        * models[p].lm_head.weight.element_size()
-        for p, c in costs.items()
-    }
+    # K and V of one cache entry in every layer: a step reads L of them per slot (L its ladder rung).
+    kv_bytes = {p: 2 * c.n_layer * c.kv_width * models[p].lm_head.weight.element_size() for p, c in costs.items()}
     metrics = [report.run_metrics(r, costs[r.precision], peaks, kv_bytes[r.precision]) for r in runs]
     reference = report.check_all(runs, metrics)
     table, baseline = report.speedups(metrics)
@@ -301,6 +317,8 @@ def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_labe
             mode=mode,
             max_seq_length=ctx.max_seq_length,
             prefill_chunk=ctx.prefill_chunk,
+            prefill_lanes=ctx.prefill_lanes,
+            attention_lengths=ctx.attention_lengths,
             ignore_eos=ctx.ignore_eos,
             seed=opts["seed"],
         ),

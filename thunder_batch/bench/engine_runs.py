@@ -1,7 +1,7 @@
 """The engine as a benchmark system: eager, or under Thunder with one executor choice.
 
 Requests enter through `add_request` at their arrival times and every token comes out of `step()`,
-the same primitive the server drives. Each step is timed (width, slots, positions) for occupancy
+the same primitive the server drives. Each step is timed (shape, slots, positions) for occupancy
 and FLOP accounting; compile time is measured cold (traced into a fresh compile cache) and warm
 (a second engine loading the same cache).
 """
@@ -32,8 +32,9 @@ ENGINE_SYSTEMS = {
 
 @dataclass(frozen=True)
 class StepRecord:
-    width: int
-    spans: tuple[tuple[int, int], ...]  # (start_pos, n_tokens) per occupied slot
+    lanes: int  # prefill lanes of the step's shape (0: decode only)
+    length: int  # cache entries the step read (its rung of the attention-length ladder)
+    spans: tuple[tuple[int, int], ...]  # (start_pos, n_tokens) per slot fed
     seconds: float
 
 
@@ -59,27 +60,27 @@ class StepRecorder:
         def run(plan):
             start = time.perf_counter()
             out = self.original(plan)
+            seconds = time.perf_counter() - start
+            shape = runner.shape_for(plan)
             spans = tuple((w.start_pos, len(w.token_ids)) for w in plan.work)
-            self.steps.append(StepRecord(plan.width, spans, time.perf_counter() - start))
+            self.steps.append(StepRecord(shape.lanes, shape.length, spans, seconds))
             return out
 
         runner.run = run
 
 
 def engine_config(system: str, batch_size: int, ctx: BenchContext, cache_dir: str | None) -> EngineConfig:
-    executors = ENGINE_SYSTEMS[system]
-    if executors is None:
-        return EngineConfig(
-            batch_size=batch_size, max_seq_length=ctx.max_seq_length, prefill_chunk=ctx.prefill_chunk, compile="eager"
-        )
-    return EngineConfig(
+    shape = dict(
         batch_size=batch_size,
         max_seq_length=ctx.max_seq_length,
         prefill_chunk=ctx.prefill_chunk,
-        compile="thunder",
-        executors=executors,
-        cache_dir=cache_dir,
+        prefill_lanes=min(ctx.prefill_lanes, batch_size),
+        attention_lengths=ctx.attention_lengths,
     )
+    executors = ENGINE_SYSTEMS[system]
+    if executors is None:
+        return EngineConfig(**shape, compile="eager")
+    return EngineConfig(**shape, compile="thunder", executors=executors, cache_dir=cache_dir)
 
 
 def build_engine(gpt, config: EngineConfig, ctx: BenchContext):
@@ -159,12 +160,12 @@ def host_share(recorder: StepRecorder, wall: float) -> dict:
 
 
 def profile_decode_step(run, batch_size: int, top: int = 12) -> dict:
-    """Profile one padding-only decode step (width 1 computes all B rows: a full decode step's work)."""
+    """Profile one padding-only decode step at the ladder's first rung (a decode step computes all B rows)."""
     from torch.profiler import ProfilerActivity, profile
 
     from thunder_batch.scheduler import StepPlan
 
-    plan = StepPlan(1, [])
+    plan = StepPlan([])
     run(plan)  # warm
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     start = time.perf_counter()
@@ -189,8 +190,8 @@ def run_engine(gpt, workload: list[BenchRequest], system: str, batch_size: int, 
         traces, wall = drive(engine, workload, ctx, f"{system} B={batch_size}")
     stats = engine.stats()
     extra = dict(
-        engine_stats={k: v for k, v in stats.items() if k != "step_widths"},
-        recompiled=stats["cache_misses"] > len(engine.config.step_widths),
+        engine_stats={k: v for k, v in stats.items() if k != "step_shapes"},
+        recompiled=stats["cache_misses"] > len(engine.config.step_shapes),
         host=host_share(recorder, wall),
     )
     if ctx.profile:

@@ -89,8 +89,9 @@ def targets_table(result: dict):
 def decode_table(result: dict):
     from rich.table import Table
 
-    table = Table(title="decode steps (width 1) of engine runs")
-    for col in ("system", "prec", "B", "steps", "ms/step", "GFLOP/s", "% peak matmul", "GB/s", "% copy bw"):
+    table = Table(title="decode-only steps of engine runs (admit: median step with prefill lanes / decode-only)")
+    cols = ("system", "prec", "B", "steps", "ms/step", "GFLOP/s", "% peak matmul", "GB/s", "% copy bw", "admit")
+    for col in cols:
         table.add_column(col, justify="right")
     for m in result["runs"]:
         for key in ("full_decode", "decode"):
@@ -107,6 +108,7 @@ def decode_table(result: dict):
                     _f(100 * d["peak_matmul_fraction"]),
                     _f(d["bytes_per_s"] / 1e9),
                     _f(100 * d["copy_bandwidth_fraction"]),
+                    _f(m.get("admit_vs_decode_step"), 2),
                 )
                 break
     return table

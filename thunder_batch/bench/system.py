@@ -23,6 +23,8 @@ class BenchContext:
     device: torch.device
     max_seq_length: int
     prefill_chunk: int = 64
+    prefill_lanes: int = 2
+    attention_lengths: tuple[int, ...] | None = None  # None: the engine's default ladder
     eos_id: int | None = None
     ignore_eos: bool = False
     tokenizer: object = None

@@ -19,7 +19,7 @@ import time
 import warnings
 from pathlib import Path
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ENV_VAR = "THUNDER_BATCH_CACHE_DIR"
 DEFAULT_ROOT = "compile_cache"
 # Modules whose source the step program runs: editing any of them invalidates every entry.
@@ -58,7 +58,7 @@ class CacheKey:
     dtype: str
     device_kind: str
     batch_size: int
-    width: int  # T
+    rows: int  # N, the step's rows
     max_seq_length: int
     inputs: str  # shapes/dtypes of the call arguments
     executors: tuple[str, ...]
@@ -114,7 +114,7 @@ def make_key(program, config, executors: tuple[str, ...], options: dict) -> Cach
         dtype=str(weight.dtype),
         device_kind=device_kind(weight.device),
         batch_size=config.batch_size,
-        width=0,
+        rows=0,
         max_seq_length=config.max_seq_length,
         inputs="",
         executors=tuple(executors),
@@ -125,14 +125,14 @@ def make_key(program, config, executors: tuple[str, ...], options: dict) -> Cach
 
 
 def piece_key(base: CacheKey, piece: str, signature: str, args) -> CacheKey:
-    """Key of one piece traced for call arguments `args` ([B, T, ...] first), from the program's key."""
+    """Key of one piece traced for call arguments `args` ([N, ...] first), from the program's key."""
     from thunder_batch.compile.trace_export import tensor_meta
 
     return dataclasses.replace(
         base,
         piece=piece,
         signature=signature,
-        width=int(args[0].shape[1]),
+        rows=int(args[0].shape[0]),
         inputs=canonical_json([tensor_meta(a) for a in args]),
     )
 

@@ -17,7 +17,7 @@ def entry_files(root: Path) -> list[Path]:
 
 
 def list_entries(root: Path) -> None:
-    """One line per entry: digest, piece, model, B x T, cache length, dtype, device, size, age, status."""
+    """One line per entry: digest, piece, model, B and rows N, cache length, dtype, device, size, age, status."""
     files = entry_files(root)
     print(f"{root}: {len(files)} entr{'y' if len(files) == 1 else 'ies'}")
     for path in files:
@@ -26,7 +26,7 @@ def list_entries(root: Path) -> None:
             key = json.loads(path.read_text(encoding="utf-8"))["key"]
             model = json.loads(key["model_config"]).get("name", "?")
             piece = key["piece"] + (f" {key['signature'][:8]}" if key["signature"] else "")
-            shape = f"B={key['batch_size']} T={key['width']} S={key['max_seq_length']}"
+            shape = f"B={key['batch_size']} N={key['rows']} S={key['max_seq_length']}"
             where = f"{key['dtype'].removeprefix('torch.')} {key['device_kind']} {','.join(key['executors'])}"
         except (OSError, ValueError, KeyError, TypeError):
             piece, model, shape, where = "?", "?", "?", "?"
@@ -46,7 +46,7 @@ def clear_entries(root: Path) -> None:
 
 
 def fill(options, root: Path) -> None:
-    """Trace (or load) every piece of every step width into the cache, then load all of them again
+    """Trace (or load) every piece of every step shape into the cache, then load all of them again
     from disk as a fresh engine would, and print both times. `options`: the command's EngineOptions."""
     from thunder_batch.engine import Engine
 
@@ -63,14 +63,14 @@ def fill(options, root: Path) -> None:
     warm = sum(again.warmup(progress=True).values())
     loaded = again.stats()["disk_cache_hits"]
     print(
-        f"warm (loaded from {root}): {warm:.1f}s, {loaded} pieces loaded for {len(config.step_widths)} step widths",
+        f"warm (loaded from {root}): {warm:.1f}s, {loaded} pieces loaded for {len(config.step_shapes)} step shapes",
         file=sys.stderr,
     )
     print(
         json.dumps(
             dict(
                 cache_dir=str(root),
-                step_widths=list(config.step_widths),
+                step_shapes=[shape.describe(config) for shape in config.step_shapes],
                 first_pass_s=round(first, 2),
                 traced=stats["traced"],
                 programs=stats["programs"],

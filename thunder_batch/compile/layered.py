@@ -1,5 +1,5 @@
-"""The compiled step: per step width, a prefix, a block program per layer and a head per sampler
-variant, each traced once by Thunder or loaded from the compile cache.
+"""The compiled step: per step shape (rows N, cache entries read L), a prefix and a block program per
+layer, and per N a head per sampler variant, each traced once by Thunder or loaded from the compile cache.
 
 Layers share a block trace whenever Thunder's prologue checks would accept them (see `pieces`), so
 a cold compile traces two or three blocks, not the model's depth. A stored piece is checked on
@@ -24,19 +24,19 @@ from thunder_batch.program import StepProgram
 LOAD_RTOL, LOAD_ATOL = 1e-4, 1e-5
 
 
-class _Width:
-    """The programs of one step width."""
+class _Shape:
+    """The programs of one step shape (rows N, cache entries read L); heads are per N, shared."""
 
-    def __init__(self, ignored: set) -> None:
+    def __init__(self, ignored: set, heads: dict[str, Callable]) -> None:
         self.prefix: Callable | None = None
         self.blocks: dict[int, Callable] = {}
-        self.heads: dict[str, Callable] = {}
+        self.heads = heads
         self.shared = SharedTraces(ignored)
         self.blocks_settled = False  # every layer has its program (and they are stored)
 
 
 class LayeredProgram:
-    """Called like the step program; makes each piece's program on first use at each width.
+    """Called like the step program; makes each piece's program on first use at each shape.
 
     options: thunder.jit keyword arguments; describe_options(): (executor names, options as data)
     for the cache key; store: the compile cache, or None to keep programs in memory only."""
@@ -52,9 +52,10 @@ class LayeredProgram:
         self.program, self.config, self.options, self.store = program, config, options, store
         self._describe_options = describe_options
         self._base_key = None  # the cache key's fields shared by every piece
-        self._widths: dict[int, _Width] = {}
+        self._shapes: dict[tuple[int, int], _Shape] = {}
+        self._heads: dict[int, dict[str, Callable]] = {}  # rows N -> head programs
         # Checked values two identical block traces showed not to matter (litgpt's block_idx): a
-        # property of the block's code, learned at the first width and used at every width.
+        # property of the block's code, learned at the first shape and used at every shape.
         self.ignored: set = set()
         self.traced: Counter = Counter()  # piece kind -> programs traced in this process
         self.loaded: Counter = Counter()  # piece kind -> programs loaded from the compile cache
@@ -63,52 +64,55 @@ class LayeredProgram:
         self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
 
     @torch.no_grad()
-    def __call__(self, idx, input_pos, last_idx, temperature, top_k, top_p, seed, head: str = "filtered"):
+    def __call__(
+        self, idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed, head: str = "filtered"
+    ):
         self.calls += 1
-        width = self._widths.get(int(idx.shape[1]))
-        if width is None:
-            width = self._widths[int(idx.shape[1])] = _Width(self.ignored)
-        x, cos, sin, mask_global, mask_window = self._prefix(width, (idx, input_pos))
+        rows, length = int(idx.shape[0]), int(key_pos.shape[0])
+        shape = self._shapes.get((rows, length))
+        if shape is None:
+            shape = self._shapes[rows, length] = _Shape(self.ignored, self._heads.setdefault(rows, {}))
+        x, cos, sin, mask_global, mask_window = self._prefix(shape, (idx, input_pos, key_pos))
         for i in range(len(self.program.blocks)):
-            x = self._block(width, i, (x, cos, sin, mask_global, mask_window, input_pos))
-        if not width.blocks_settled:
-            width.blocks_settled = True
-            self._store_blocks(width, (x, cos, sin, mask_global, mask_window, input_pos))
+            x = self._block(shape, i, (x, cos, sin, mask_global, mask_window, input_pos, row_slot))
+        if not shape.blocks_settled:
+            shape.blocks_settled = True
+            self._store_blocks(shape, (x, cos, sin, mask_global, mask_window, input_pos, row_slot))
         kind = "head" if head == "filtered" else f"head-{head}"
-        head_args = (x, input_pos, last_idx, temperature, top_k, top_p, seed)
-        fn = width.heads.get(kind)
+        head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed)
+        fn = shape.heads.get(kind)
         if fn is None:
             fn, out = self._make(kind, self.program.heads[head], head_args)
-            width.heads[kind] = fn
+            shape.heads[kind] = fn
             return out
         return fn(*head_args)
 
     # -- pieces -------------------------------------------------------------------------------
-    def _prefix(self, width: _Width, args: tuple):
-        if width.prefix is None:
-            width.prefix, out = self._make("prefix", self.program.prefix, args)
+    def _prefix(self, shape: _Shape, args: tuple):
+        if shape.prefix is None:
+            shape.prefix, out = self._make("prefix", self.program.prefix, args)
             return out
-        return width.prefix(*args)
+        return shape.prefix(*args)
 
-    def _block(self, width: _Width, i: int, args: tuple):
-        fn = width.blocks.get(i)
+    def _block(self, shape: _Shape, i: int, args: tuple):
+        fn = shape.blocks.get(i)
         if fn is not None:
             return fn(*args)
         module = self.program.blocks[i]
         start = time.perf_counter()
         try:
-            if not width.shared.traces and self.store is not None:
-                self._load_stored_blocks(width, args)
-            piece = width.shared.find(module)
+            if not shape.shared.traces and self.store is not None:
+                self._load_stored_blocks(shape, args)
+            piece = shape.shared.find(module)
             if piece is not None:
-                bound, out = self._first_call(width.shared, piece, module, args)
+                bound, out = self._first_call(shape.shared, piece, module, args)
                 if bound is not None:
-                    width.blocks[i] = bound
+                    shape.blocks[i] = bound
                     return out
             piece, out = trace_piece(module, args, self.options)
-            kept = width.shared.add(piece)
+            kept = shape.shared.add(piece)
             self._count(kept is piece, "block", piece, traced=True)
-            width.blocks[i] = kept.bind(module)
+            shape.blocks[i] = kept.bind(module)
             return out
         finally:
             self.seconds["block"] += time.perf_counter() - start
@@ -181,28 +185,28 @@ class LayeredProgram:
 
     def _save(self, key, piece: TracedPiece) -> None:
         if piece.record is None:
-            warn(f"{key.piece} program for width {key.width} not stored in the compile cache: {piece.not_stored}")
+            warn(f"{key.piece} program for rows {key.rows} not stored in the compile cache: {piece.not_stored}")
             return
         self.store.save(key, piece.record)
 
-    def _load_stored_blocks(self, width: _Width, args: tuple) -> None:
-        """The stored block programs of this width and the values found not to matter."""
+    def _load_stored_blocks(self, shape: _Shape, args: tuple) -> None:
+        """The stored block programs of this shape and the values found not to matter."""
         layout = self.store.load(self._key("layers", "", args))
         if layout is None:
             return
-        width.shared.ignored |= paths_from_json(layout["ignored"])
+        shape.shared.ignored |= paths_from_json(layout["ignored"])
         for digest in layout["blocks"]:
             piece = self._load(self._key("block", digest, args))
             if piece is None:
-                width.shared = SharedTraces(self.ignored)  # all or nothing: trace this width's blocks afresh
+                shape.shared = SharedTraces(self.ignored)  # all or nothing: trace this shape's blocks afresh
                 return
-            width.shared.traces.append(piece)
+            shape.shared.traces.append(piece)
             self._count(True, "block", piece, traced=False)
 
-    def _store_blocks(self, width: _Width, args: tuple) -> None:
+    def _store_blocks(self, shape: _Shape, args: tuple) -> None:
         """After the first pass over every layer: store the block programs and the layout, unless
         they all came from the store."""
-        shared = width.shared
+        shared = shape.shared
         if self.store is None or all(piece.jitted is None for piece in shared.traces):
             return
         digests = [shared.digest(piece) for piece in shared.traces]
@@ -214,15 +218,15 @@ class LayeredProgram:
 
     # -- inspection ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        """cache_misses counts step widths made: one per width, whatever the traffic."""
+        """cache_misses counts step shapes made: one per (rows, attention length), whatever the traffic."""
         programs = Counter()
         for counter in (self.traced, self.loaded):
             for kind, n in counter.items():
                 if "(" not in kind:
                     programs[kind] += n
         return dict(
-            cache_misses=len(self._widths),
-            cache_hits=max(self.calls - len(self._widths), 0),
+            cache_misses=len(self._shapes),
+            cache_hits=max(self.calls - len(self._shapes), 0),
             programs=dict(programs),
             traced=sum(self.traced.values()),
             not_stored=sum(piece.record is None for piece in self.pieces if piece.jitted is not None),

@@ -48,7 +48,7 @@ class EngineAPI(ls.LitAPI):
     def setup(self, device) -> None:
         engine = self.options.load_engine(device)
         if engine.config.compile == "thunder":
-            engine.warmup(progress=True)  # trace both step widths now, not on the first request
+            engine.warmup(progress=True)  # make every step shape now, not on the first request
         self.attach(engine)
 
     def attach(self, engine) -> None:
