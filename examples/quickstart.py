@@ -37,7 +37,7 @@ same = sum(r.token_ids == e for r, e in zip(results, expected))
 stats = engine.stats()
 print(f"{same}/{len(prompts)} prompts token-identical to litgpt generate_fn")
 print(
-    f"cache_misses={stats['cache_misses']} (step widths {stats['step_widths']}), steps={stats['steps']}, "
+    f"cache_misses={stats['cache_misses']} (step shapes {stats['step_shapes']}), steps={stats['steps']}, "
     f"generated_tokens={stats['generated_tokens']}"
 )
 assert same == len(prompts) and stats["cache_misses"] <= 2

@@ -173,7 +173,7 @@ def test_online_arrivals_drive_add_request_and_step():
 
 
 def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
-    # prefill_chunk=1: one step width (tracing is the slow part on this CPU)
+    # prefill_chunk=1: one step shape (tracing is the slow part on this CPU)
     result = bench.run_benchmark(
         tiny_gpt("llama", n_layer=1),
         num_requests=3,
@@ -187,7 +187,7 @@ def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
     thunder = next(m for m in result["runs"] if m["system"] == "thunder-torch")
     assert thunder["token_check"]["mismatched_requests"] == 0
     assert thunder["output_tokens"] == 3 * result["workload"]["max_new_tokens_mean"] > 0
-    # one width: prefix, block and the three heads (filtered, unfiltered, greedy), traced then loaded
+    # one shape: prefix, block and the three heads (filtered, unfiltered, greedy), traced then loaded
     assert thunder["compile"]["cold_s"] > 0 and thunder["compile"]["traced"] == 5
     assert thunder["compile"]["disk_cache_hits"] == 5 and thunder["compile"]["warm_s"] < thunder["compile"]["cold_s"]
     assert thunder["recompiled"] is False and thunder["profile"]["top_ops"]
@@ -244,7 +244,7 @@ def fake_run(system, precision, B, tokens, wall_s, decode_s=None):
     for ids in tokens:
         traces.append(RequestTrace(3, 0.0))
         traces[-1].record(ids, 0.5)
-    steps = [] if decode_s is None else [StepRecord(1, ((3, 1),) * B, decode_s)] * len(tokens[0])
+    steps = [] if decode_s is None else [StepRecord(0, 256, ((3, 1),) * B, decode_s)] * len(tokens[0])
     return SystemRun(system, B, traces, wall_s, {}, steps=steps, precision=precision)
 
 

@@ -36,14 +36,15 @@ from thunder_batch.compile.cache import (
 )
 from thunder_batch.compile.pieces import piece_from_record
 from thunder_batch.compile.trace_export import NotExportable, ctx_recipe
+from thunder_batch.config import StepShape
 from thunder_batch.scheduler import StepPlan
 
 from helpers import tiny_gpt
 
-CONFIG = dict(batch_size=2, max_seq_length=16, prefill_chunk=1)  # one step width
+CONFIG = dict(batch_size=2, max_seq_length=16, prefill_chunk=1)  # one step shape: decode rows, L = 16
 PROMPTS = [[1, 2, 3], [4, 5]]
 PARAMS = SamplingParams(max_new_tokens=4, temperature=0.8, top_k=20, seed=7)  # sampling: logprobs matter
-# What one width of a 1-layer model stores: prompt tokens sample nothing that counts (greedy head),
+# What one shape of a 1-layer model stores: prompt tokens sample nothing that counts (greedy head),
 # then every request samples with top-k (the filtered head).
 PIECES = {"prefix", "block", "layers", "head", "head-greedy"}
 TESTS_DIR = Path(__file__).parent
@@ -58,7 +59,7 @@ def outputs(results) -> list:
 
 
 def entries(root: Path) -> dict[str, Path]:
-    """Entry file per piece kind (one width: one entry each)."""
+    """Entry file per piece kind (one shape: one entry each)."""
     return {json.loads(p.read_text())["key"]["piece"]: p for p in sorted(root.glob("*.json"))}
 
 
@@ -158,8 +159,8 @@ def test_loaded_block_matches_traced_block_and_writes_cache_in_place(traced):
     twin = copy.deepcopy(runner.program)  # same weights and cache contents, separate buffers
     record, _ = read_entry(traced["path"], traced["key"])
     loaded = piece_from_record(record).bind(twin.blocks[0])
-    idx, pos = torch.tensor([[9], [10]]), torch.tensor([[5], [3]])  # real tokens at real positions
-    args = (*twin.prefix(idx, pos), pos)
+    idx, pos = torch.tensor([9, 10]), torch.tensor([5, 3])  # real tokens at real positions, one per slot
+    args = (*twin.prefix(idx, pos, torch.arange(16)), pos, torch.arange(2))
     cache = twin.blocks[0].block.attn.kv_cache
     before = cache.k[:, :, 5].clone()
     want, got = block_piece.jitted(*args), loaded(*args)
@@ -197,15 +198,16 @@ def test_every_key_field_changes_the_digest(traced):
     ],
 )
 def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monkeypatch):
-    def key_of(engine, width=1):  # the prefix's key: every field but the piece's own
-        return engine.runner.step_fn._key("prefix", "", engine.runner.inputs_for(StepPlan(width, [])).as_args()[:2])
+    def key_of(engine, shape=None):  # the prefix's key: every field but the piece's own
+        idx, input_pos, _, key_pos, *_ = engine.runner.inputs_for(StepPlan([]), shape).as_args()
+        return engine.runner.step_fn._key("prefix", "", (idx, input_pos, key_pos))
 
     base = key_of(make_engine(tmp_path))
     if change in ("batch_size", "max_seq_length"):
         engine = make_engine(tmp_path, **{change: CONFIG[change] * 2})
-    elif change == "prefill_chunk":  # adds a prefill width T=4 (and scratch room) next to decode
+    elif change == "prefill_chunk":  # adds a mixed shape with lanes of 4 (and scratch room) next to decode
         engine = make_engine(tmp_path, prefill_chunk=4)
-        assert key_of(engine, 4) not in (base, key_of(engine, 1))
+        assert key_of(engine, StepShape(2, 16)) not in (base, key_of(engine))
     elif change == "executors":
         engine = make_engine(tmp_path, executors=("torch", "python"))
     elif change == "cuda_graphs":  # compile options go in as data; a CUDA graph transform needs no GPU to name
@@ -290,7 +292,7 @@ def step_with_warnings(engine):
     """One padding-only step; the compile-cache warnings it raised."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine.runner.run(StepPlan(1, []), head="filtered")
+        engine.runner.run(StepPlan([]), head="filtered")
     return cache_warnings(caught)
 
 
@@ -404,7 +406,7 @@ def test_compile_command_lists_and_clears(traced, tmp_path, capsys):
     (root / "README.md").write_text("kept")
     compile_cli.compile_command(list=True, cache_dir=str(root))
     out = capsys.readouterr().out
-    assert "6 entries" in out and "B=2 T=1 S=16" in out and out.count(" ok") == 5 and "BAD" in out
+    assert "6 entries" in out and "B=2 N=2 S=16" in out and out.count(" ok") == 5 and "BAD" in out
     assert all(f"  {piece} " in out for piece in PIECES)
     compile_cli.compile_command(clear=True, cache_dir=str(root))
     assert [p.name for p in root.iterdir()] == ["README.md"]

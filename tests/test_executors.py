@@ -3,7 +3,7 @@ Engine.generate per executor (the trace shows who claimed the ops), and the CUDA
 skip with a reason on machines without an NVIDIA GPU.
 
 Tracing is the slow part (tens of seconds per step shape on a 2-core CPU): the models are 1-layer,
-each traced engine is built once per module, and the torchcompile one uses a single step width.
+each traced engine is built once per module, and the torchcompile one uses a single step shape.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def torch_engine():
 @pytest.mark.regression
 def test_torch_executor_matches_eager(torch_engine, prompts, eager_reference):
     assert greedy_tokens(torch_engine, prompts) == eager_reference
-    assert cache_misses(torch_engine.runner.step_fn) == len(torch_engine.config.step_widths)
+    assert cache_misses(torch_engine.runner.step_fn) == len(torch_engine.config.step_shapes)
 
 
 @pytest.mark.regression
@@ -155,7 +155,7 @@ def test_torch_executor_claims_every_op(torch_engine, prompts):
 
 @pytest.mark.regression
 def test_torchcompile_executor_matches_eager(prompts):
-    """One step width (chunk 1) keeps Inductor's CPU compile to about a minute."""
+    """One step shape (chunk 1) keeps Inductor's CPU compile to about a minute."""
     shape = dict(SHAPE, prefill_chunk=1)
     engine = Engine(tiny(), EngineConfig(executors=("torchcompile", "torch"), **shape))
     assert greedy_tokens(engine, prompts) == eager_tokens(prompts, **shape)
@@ -179,7 +179,7 @@ def test_cuda_graphs_match_eager_with_the_cache_written_in_place(executors, prom
     pointers = [b.data_ptr() for b in kv_buffers(engine)]
     eager = Engine(tiny("cuda"), EngineConfig(compile="eager", **SHAPE))
     assert greedy_tokens(engine, prompts) == greedy_tokens(eager, prompts)
-    assert cache_misses(engine.runner.step_fn) == len(engine.config.step_widths)
+    assert cache_misses(engine.runner.step_fn) == len(engine.config.step_shapes)
     (trace,) = execution_traces(engine.runner.step_fn)
     assert any(name.startswith("CUDAGraph") for name in fusion_regions(trace))
     # Captured in place: same storage as before, and holding what eager wrote (same requests, same slots).

@@ -52,7 +52,9 @@ def test_kv_cache_write_shape():
 
 def test_copy_rejects_slot_dim():
     with pytest.raises(ValueError, match="slot dim"):
-        index_copy_rows(torch.zeros(2, 3), 0, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1))
+        index_copy_rows(
+            torch.zeros(2, 3), 0, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1)
+        )
 
 
 @pytest.mark.regression

@@ -143,7 +143,9 @@ def _check_plan(s: Scheduler, plan: StepPlan, chunk: int, lanes: int, admitted_o
     running = [r for r in s.slots if r is not None]
     decoding = [r for r in running if len(r.pending_ids()) == 1]
     assert {w.request.request_id for w in plan.work if w.lane is None} >= {r.request_id for r in decoding}
-    prefilling = sorted((r for r in running if len(r.pending_ids()) > 1), key=lambda r: admitted_order.index(r.request_id))
+    prefilling = sorted(
+        (r for r in running if len(r.pending_ids()) > 1), key=lambda r: admitted_order.index(r.request_id)
+    )
     if lanes:
         assert [w.request.request_id for w in sorted(in_lanes, key=lambda w: w.lane)] == [
             r.request_id for r in prefilling[:lanes]

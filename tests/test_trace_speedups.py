@@ -22,8 +22,8 @@ def trace_step(gpt, fast: bool):
     """(outputs of one real step, computation trace, prologue source without its timing line)."""
     thunder = import_thunder()
     runner = Runner(gpt, EngineConfig(batch_size=2, max_seq_length=16, prefill_chunk=1, compile="eager"))
-    args = runner.inputs_for(StepPlan(1, [])).as_args()
-    args[0][:, 0], args[1][:, 0] = torch.tensor([7, 9]), torch.tensor([0, 2])
+    args = runner.inputs_for(StepPlan([])).as_args()
+    args[0][:], args[1][:] = torch.tensor([7, 9]), torch.tensor([0, 2])  # two decode rows, real tokens
     trace_speedups.uninstall()
     try:
         if fast:

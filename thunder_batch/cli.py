@@ -52,7 +52,7 @@ class EngineOptions(ModelOptions):
         max_seq_length: Tokens of KV cache per slot (prompt + generated must fit).
         prefill_chunk: Prompt tokens a prefill lane feeds per step (C).
         prefill_lanes: Prefill lanes per step (P): prompts read at once, C tokens each, beside the B
-            decode rows; 0 feeds prompts one token per step through the decode rows.
+            decode rows; 0 feeds prompts one token per step through the decode rows. Default: 2 (at most B).
         attention_lengths: Rungs L of the attention-length ladder: a step reads the first L cache
             entries, the smallest rung covering every busy position. Default: 256, 512, ... up to
             max_seq_length (always the top rung).
@@ -63,7 +63,7 @@ class EngineOptions(ModelOptions):
     batch_size: int = 8
     max_seq_length: int = 1024
     prefill_chunk: int = 64
-    prefill_lanes: int = 2
+    prefill_lanes: int | None = None
     attention_lengths: list[int] | None = None
     compile: Literal["thunder", "eager"] = "thunder"
     cache_dir: str | None = None

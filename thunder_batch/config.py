@@ -63,7 +63,7 @@ class EngineConfig:
     batch_size: int = 8
     max_seq_length: int = 1024
     prefill_chunk: int = 64
-    prefill_lanes: int = 2
+    prefill_lanes: int | None = None  # None: 2, or batch_size if smaller
     # Rungs L of the attention-length ladder, each <= max_seq_length (which is always the top rung).
     # None: 256, 512, 1024, ... below max_seq_length, then max_seq_length.
     attention_lengths: tuple[int, ...] | None = None
@@ -81,6 +81,8 @@ class EngineConfig:
         _require_int("prefill_chunk", self.prefill_chunk, 1)
         if self.prefill_chunk > self.max_seq_length:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be <= max_seq_length ({self.max_seq_length})")
+        if self.prefill_lanes is None:
+            object.__setattr__(self, "prefill_lanes", min(2, self.batch_size))
         _require_int("prefill_lanes", self.prefill_lanes, 0)
         if self.prefill_lanes > self.batch_size:
             raise ValueError(f"prefill_lanes ({self.prefill_lanes}) must be <= batch_size ({self.batch_size})")

@@ -17,7 +17,9 @@ def _normalize_dim(dim: int, ndim: int) -> int:
     return dim % ndim
 
 
-def index_copy_rows(t: torch.Tensor, dim: int, slot: torch.Tensor, pos: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+def index_copy_rows(
+    t: torch.Tensor, dim: int, slot: torch.Tensor, pos: torch.Tensor, val: torch.Tensor
+) -> torch.Tensor:
     """In place: `t[slot[n], ..., pos[n], ...] = val[n, ...]` along `dim` (>= 1) for every row n.
 
     t: [B, *pre, S, *post] contiguous, slot, pos: [N], val: [N, *pre, *post]. The (slot, pos) pairs

@@ -48,10 +48,10 @@ class StepRecorder:
         self.inputs_seconds = 0.0
         build_inputs = runner.inputs_for
 
-        def inputs_for(plan):
+        def inputs_for(plan, shape=None):
             start = time.perf_counter()
             try:
-                return build_inputs(plan)
+                return build_inputs(plan, shape)
             finally:
                 self.inputs_seconds += time.perf_counter() - start
 

@@ -59,7 +59,7 @@ def step_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_entr
 
 
 def shape_summary(steps) -> dict:
-    """"lanes=P L=..." -> steps of that shape and their mean milliseconds."""
+    """ "lanes=P L=..." -> steps of that shape and their mean milliseconds."""
     out = {}
     for lanes, length in sorted({(s.lanes, s.length) for s in steps}):
         ms = [1000 * s.seconds for s in steps if (s.lanes, s.length) == (lanes, length)]
