@@ -4,7 +4,7 @@
     python benchmarks/compile_cache_ttft.py --model default   # SmolLM2-135M (minutes per cold shape)
 
 Each phase runs in its own process; times are from process start (before imports) to the first
-token of one prompt, after `Engine.warmup()` has made every step width. Prints one JSON line.
+token of one prompt, after `Engine.warmup()` has made every step shape. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ else:
     engine = Engine.from_checkpoint(None, EngineConfig(cache_dir=root))
     prompt = "The capital of France is"
 loaded = time.perf_counter() - START
-per_width = engine.warmup()
+per_shape = engine.warmup()
 warm = time.perf_counter() - START
 first = next(iter(engine.stream([prompt], SamplingParams(max_new_tokens=2))))
 ttft = time.perf_counter() - START
 stats = engine.stats()
-print(json.dumps(dict(per_width_s=per_width, import_s=imported, model_s=loaded - imported, compile_s=warm - loaded,
+print(json.dumps(dict(per_shape_s=per_shape, import_s=imported, model_s=loaded - imported, compile_s=warm - loaded,
                       ttft_s=ttft,
                       traced=stats["traced"], disk_cache_hits=stats["disk_cache_hits"],
                       compile_seconds=stats["compile_seconds"], first_token=first.token_ids)))

@@ -1,5 +1,5 @@
 """Cost of one KV cache write: element-wise `scatter_` against the row-wise `index_copy_` that
-`index_copy_2d` uses, per dtype and step width.
+`index_copy_rows` uses, per dtype and rows per slot (1: a decode row, 16: a prefill lane).
 
     python benchmarks/kv_write.py --batch-size 128
 
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from thunder_batch.index_ops import index_copy_2d
+from thunder_batch.index_ops import index_copy_rows
 
 
 def scatter_write(cache: torch.Tensor, pos: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
@@ -46,7 +46,9 @@ def main() -> None:
             val = torch.randn(B, G, T, D).to(dtype)
             a, b = torch.zeros(B, G, L, D, dtype=dtype), torch.zeros(B, G, L, D, dtype=dtype)
             s = best_ms(scatter_write, a, pos, val)
-            c = best_ms(index_copy_2d, b, 2, pos, val)
+            slot = torch.arange(B).repeat_interleave(T)  # [B*T]: T rows of each slot
+            rows = val.permute(0, 2, 1, 3).reshape(B * T, G, D)  # [B*T, G, D]
+            c = best_ms(index_copy_rows, b, 2, slot, pos.reshape(B * T), rows)
             assert torch.equal(a, b)
             print(f"| {str(dtype).removeprefix('torch.')} | {T} | {s:.3f} | {c:.3f} | {s / c:.0f}x |")
 

@@ -2,7 +2,7 @@
 
     python benchmarks/layered_step_time.py --batch-sizes 8,32 --rounds 5 --steps 10
 
-Default model architecture (30 layers, random weights), max_seq_length 256, step width 1 only,
+Default model architecture (30 layers, random weights), max_seq_length 256, decode-only steps,
 torch executor defaults. For each B both programs are compiled (the whole-step trace takes minutes
 per B on a small CPU), then timed in alternating rounds of `--steps` decode steps (all slots busy:
 a step costs the same whatever the occupancy, which is data). Prints median ms per step and the
@@ -36,20 +36,20 @@ def build(gpt_config, batch_size: int, trace: str):
 
 
 def decode_args(engine):
-    """A width-1 step with every slot at position ~200 (greedy, no filter)."""
+    """A decode-only step with every slot at position ~200 (greedy, no filter)."""
     import torch
 
     args = list(engine.runner.inputs_for(_empty_plan()).as_args())
     B = args[0].shape[0]
-    args[0] = torch.randint(0, 1000, (B, 1))
-    args[1] = torch.full((B, 1), 200) - torch.arange(B).view(B, 1)
+    args[0] = torch.randint(0, 1000, (B,))
+    args[1] = torch.full((B,), 200) - torch.arange(B)
     return args
 
 
 def _empty_plan():
     from thunder_batch.scheduler import StepPlan
 
-    return StepPlan(1, [])
+    return StepPlan([])
 
 
 def time_steps(engine, args, steps: int) -> float:

@@ -196,7 +196,7 @@ class Engine:
         return [request.request_id for request in requests]
 
     def warmup(self, progress: bool = False) -> dict:
-        """Compile (or load) the step program for every step shape now; seconds per StepShape."""
+        """Compile (or load) the step program for every step shape now; seconds per shape (described)."""
         return self.runner.warmup(progress)
 
     def stats(self) -> dict:

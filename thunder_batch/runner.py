@@ -99,9 +99,9 @@ class Runner:
             torch.tensor(seed, dtype=long, device=dev),
         )
 
-    def warmup(self, progress: bool = False) -> dict[StepShape, float]:
+    def warmup(self, progress: bool = False) -> dict[str, float]:
         """Run every step shape once with all slots empty (padding writes only scratch entries), so
-        tracing happens now rather than at the first request; returns seconds per shape."""
+        tracing happens now rather than at the first request; returns seconds per shape (described)."""
         import time
 
         from tqdm import tqdm
@@ -120,7 +120,7 @@ class Runner:
             first_rung = shape.length == self.config.attention_lengths[0]
             for head in self.head_variants if first_rung else self.head_variants[:1]:
                 self.run(StepPlan([]), head, shape)
-            seconds[shape] = time.perf_counter() - start
+            seconds[shape.describe(self.config)] = time.perf_counter() - start
         return seconds
 
     def run(

@@ -97,10 +97,10 @@ def compile_engine(gpt, system: str, batch_size: int, ctx: BenchContext):
     engine = build_engine(gpt, config, ctx)
     seconds = engine.warmup(progress=ctx.progress)
     if config.compile == "eager":
-        return engine, dict(first_step_s=sum(seconds.values()), per_width_s=seconds), []
+        return engine, dict(first_step_s=sum(seconds.values()), per_shape_s=seconds), []
     info = dict(
         cold_s=sum(seconds.values()),
-        cold_per_width_s=seconds,
+        cold_per_shape_s=seconds,
         traced=engine.stats()["traced"],
         cache_dir=cache_dir,
         executors=list(config.executors),
@@ -118,7 +118,7 @@ def compile_engine(gpt, system: str, batch_size: int, ctx: BenchContext):
         del engine
         engine = build_engine(gpt, config, ctx)
         warm = engine.warmup(progress=ctx.progress)
-        info.update(warm_s=sum(warm.values()), warm_per_width_s=warm, disk_cache_hits=engine.stats()["disk_cache_hits"])
+        info.update(warm_s=sum(warm.values()), warm_per_shape_s=warm, disk_cache_hits=engine.stats()["disk_cache_hits"])
     return engine, info, notes
 
 
