@@ -30,7 +30,7 @@ def build(args, max_seq_length: int, rungs):
     config = EngineConfig(
         batch_size=args.batch_size,
         max_seq_length=max_seq_length,
-        prefill_chunk=64,
+        prefill_chunk=min(64, max_seq_length),
         prefill_lanes=min(8, args.batch_size),
         attention_lengths=rungs,
         compile=args.compile,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -170,6 +173,41 @@ def test_online_arrivals_drive_add_request_and_step():
     (run,) = result["runs"]
     assert result["workload"]["mode"].startswith("online") and result["workload"]["last_arrival_s"] > 0
     assert run["output_tokens"] == 4 * result["workload"]["max_new_tokens_mean"] and run["ttft_ms"]["mean"] > 0
+
+
+def test_poisson_arrivals_with_lanes_and_a_ladder_report_shapes_and_tokens():
+    """The admit-cost run at test size: outputs only (greedy tokens equal litgpt's; every shape a step
+    ran is one of the config's), never timings."""
+    result = bench.run_benchmark(
+        tiny_gpt("llama"),
+        num_requests=8,
+        max_new_tokens=6,
+        batch_size="3",
+        prefill_chunk=4,
+        prefill_lanes=1,
+        attention_lengths="16,32",
+        request_rate=50.0,
+        systems="litgpt-sequential,eager",
+        **QUICK,
+    )
+    runs = {m["system"]: m for m in result["runs"]}
+    assert runs["litgpt-sequential"]["token_check"]["mismatched_requests"] == 0
+    eager = runs["eager"]
+    assert set(eager["step_shapes"]) <= {f"lanes={p} L={L}" for p in (0, 1) for L in (16, 32, 64)}
+    assert sum(s["steps"] for s in eager["step_shapes"].values()) == eager["steps"]
+    assert eager["prefill_steps"] > 0 and eager["decode_steps"] > 0
+    assert result["workload"]["prefill_lanes"] == 1 and tuple(result["workload"]["attention_lengths"]) == (16, 32)
+
+
+def test_attention_ladder_script_gives_the_same_tokens_at_every_length():
+    """benchmarks/attention_ladder.py at test size: the exit code says the greedy tokens agree."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "attention_ladder.py"
+    args = "--layers 2 --batch-size 2 --live 20 --lengths 32,64 --rungs 32 --steps 2 --rounds 1 --compile eager"
+    done = subprocess.run([sys.executable, str(script), *args.split()], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.splitlines()[-2])["rows"]
+    assert set(rows) == {"S=32 ladder", "S=64 ladder", "S=64 whole cache"}
+    assert "greedy tokens identical across engines: yes" in done.stdout
 
 
 def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
