@@ -32,13 +32,14 @@ from thunder_batch.bench.parity import compare_tokens, litgpt_greedy, random_wei
 
 from gpu_check_report import Report, environment  # noqa: E402
 
-PARITY = dict(batch_size=4, max_seq_length=128, prefill_chunk=16)  # two step widths: chunked prefill + decode
+PARITY = dict(batch_size=4, max_seq_length=128, prefill_chunk=16)  # two step shapes: with prefill lanes, decode only
 PARITY_LENGTHS = [5, 17, 33, 2, 12, 40]  # 6 prompts through 4 slots: slots are reused
 PARITY_NEW = 16
 # Benchmark requests per device: prompt tokens, new tokens (the CPU mode only exercises the code paths).
 BENCH_SIZES = {"cuda": (16, 64), "cpu": (8, 8)}
-# Benchmarks trace one step width only (prefill_chunk=1: prompts go in one token per step), which
-# keeps Thunder's tracing, the slow part (about a minute per width for 30 layers), inside the budget.
+# Benchmarks trace one step shape only (prefill_chunk=1: prompts go in one token per step through the
+# decode rows), which keeps Thunder's tracing, the slow part (about a minute per shape for 30 layers
+# with the whole-step trace CUDA graphs need), inside the budget.
 BENCH_CHUNK = 1
 DEFAULT_COMPILE_ESTIMATE_S = 75.0
 
@@ -112,7 +113,7 @@ def prompts_of(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
 
 # -- parity ----------------------------------------------------------------------------------------
 def engine_tokens(gpt, mode: str, prompts, new: int, dtype=torch.float32, **shape) -> tuple[list, dict]:
-    """Greedy token ids from a fresh Engine over a copy of `gpt`, and its compile seconds per width."""
+    """Greedy token ids from a fresh Engine over a copy of `gpt`, and its compile seconds per step shape."""
     engine = Engine(copy.deepcopy(gpt).to(dtype), engine_config(mode, **shape))
     compile_s = engine.warmup()
     results = engine.generate(prompts, SamplingParams(max_new_tokens=new, ignore_eos=True))

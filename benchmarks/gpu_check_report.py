@@ -39,7 +39,7 @@ class Report:
 
     def __init__(self, path: Path, budget_s: float, compile_estimate_s: float) -> None:
         self.path, self.budget_s, self.start = path, budget_s, time.perf_counter()
-        self._compile_per_width = compile_estimate_s  # replaced by the slowest width measured
+        self._compile_per_shape = compile_estimate_s  # replaced by the slowest shape measured
         self._measured = False
         path.parent.mkdir(parents=True, exist_ok=True)
         self.data: dict = {"stages": [], "errors": [], "skipped": []}
@@ -68,14 +68,14 @@ class Report:
             self.data["stages"].append({"stage": name, "seconds": round(time.perf_counter() - start, 2)})
             self.save()
 
-    def observe_compile(self, seconds_per_width: dict) -> None:
-        if seconds_per_width:
-            slowest = max(seconds_per_width.values())
-            self._compile_per_width = max(self._compile_per_width, slowest) if self._measured else slowest
+    def observe_compile(self, seconds_per_shape: dict) -> None:
+        if seconds_per_shape:
+            slowest = max(seconds_per_shape.values())
+            self._compile_per_shape = max(self._compile_per_shape, slowest) if self._measured else slowest
             self._measured = True
 
     def compile_estimate(self) -> float:
-        return self._compile_per_width
+        return self._compile_per_shape
 
     def has_time(self, needed_s: float, what: str) -> bool:
         left = self.budget_s - self.elapsed()

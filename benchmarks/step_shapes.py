@@ -15,13 +15,15 @@ import json
 import time
 
 
-def best_ms(run, reps: int) -> float:
-    run()
+def step_ms(runner, shape, reps: int) -> float:
+    """Best of `reps` padding-only steps of this shape (greedy head), after one warm-up."""
+    from thunder_batch.scheduler import StepPlan
+
     best = float("inf")
-    for _ in range(reps):
+    for i in range(reps + 1):
         start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
+        runner.run(StepPlan([]), "greedy", shape)
+        best = min(best, time.perf_counter() - start) if i else best
     return 1000 * best
 
 
@@ -40,7 +42,6 @@ def main() -> None:
     from thunder_batch import Engine, EngineConfig
     from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
     from thunder_batch.config import StepShape
-    from thunder_batch.scheduler import StepPlan
 
     gpt, _, _ = load_checkpoint(default_checkpoint_dir(), dtype=torch.float32)
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
@@ -59,12 +60,11 @@ def main() -> None:
                 )
                 runner = Engine(gpt, config).runner
                 for L in lengths:
-                    ms = {
-                        lanes: best_ms(lambda: runner.run(StepPlan([]), "greedy", StepShape(lanes, L)), args.reps)
-                        for lanes in (0, P)
-                    }
+                    ms = {lanes: step_ms(runner, StepShape(lanes, L), args.reps) for lanes in (0, P)}
                     row = dict(batch_size=B, lanes=P, chunk=C, length=L, rows=config.step_rows(P))
-                    row.update(decode_ms=round(ms[0], 1), mixed_ms=round(ms[P], 1), mixed_vs_decode=round(ms[P] / ms[0], 2))
+                    row.update(
+                        decode_ms=round(ms[0], 1), mixed_ms=round(ms[P], 1), mixed_vs_decode=round(ms[P] / ms[0], 2)
+                    )
                     print(json.dumps(row), flush=True)
 
 

@@ -122,7 +122,11 @@ def test_stats_count_steps_and_tokens():
     stats = engine.stats()
     assert stats["generated_tokens"] == 10 and stats["prompt_tokens"] == 6 and stats["steps"] == 5
     assert stats["cache_misses"] == 0 and stats["programs"] == {} and stats["traced"] == 0  # eager: nothing traced
-    assert stats["step_shapes"] == ["4 decode rows, attend 64", "2x8 prefill + 4 decode rows, attend 64"]
+    assert stats["step_shapes"] == [
+        "4 decode rows, attend 64",
+        "2x8 prefill + 4 decode rows, attend 64",
+        "4x8 prefill + 4 decode rows, attend 64",
+    ]
 
 
 @pytest.mark.parametrize(

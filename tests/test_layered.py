@@ -14,7 +14,8 @@ from thunder_batch.compile.cache import CompileCacheWarning
 from helpers import mixed_prompts, tiny_gpt
 
 CONFIG = dict(batch_size=3, max_seq_length=48, prefill_chunk=4, prefill_lanes=2)
-SHAPES = [(3, 48), (3 + 2 * 4, 48)]  # (rows, entries read): decode only; 3 decode rows + 2 lanes of 4
+# (rows, entries read): decode only; 3 decode rows + 2 lanes of 4; + 3 lanes (every slot reading a prompt)
+SHAPES = [(3, 48), (3 + 2 * 4, 48), (3 + 3 * 4, 48)]
 BLOCK_IDX = (("submodule", "block.attn"), ("attr", "block_idx"))
 
 
@@ -46,12 +47,12 @@ def block_programs(engine: Engine, shape: tuple[int, int]) -> list[int]:
 def test_uniform_layers_share_one_block_trace(tmp_path):
     engine = engine_for(tiny_gpt("llama", n_layer=4), tmp_path)
     assert run(engine) == run(Engine(tiny_gpt("llama", n_layer=4), EngineConfig(compile="eager", **CONFIG)))
-    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 0, 0]] * 2
+    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 0, 0]] * 3
     stats = engine.stats()
-    assert stats["programs"] == {"prefix": 2, "block": 2, "head": 2, "head-unfiltered": 2, "head-greedy": 2}
+    assert stats["programs"] == {"prefix": 3, "block": 3, "head": 3, "head-unfiltered": 3, "head-greedy": 3}
     # At the first shape, layer 1 is traced once more: its trace equals layer 0's, so the value their
     # checks differ on (litgpt's block_idx) is learned not to matter; no other layer traces anything.
-    assert engine.runner.step_fn.traced["block"] == 2
+    assert engine.runner.step_fn.traced["block"] == 3
     assert engine.runner.step_fn.traced["block (same as an earlier layer)"] == 1
     assert engine.runner.step_fn.ignored == {BLOCK_IDX}
 
@@ -67,14 +68,14 @@ def test_a_layer_with_a_different_attribute_gets_its_own_trace(tmp_path):
     assert eager != run(Engine(tiny_gpt("llama", n_layer=4), EngineConfig(compile="eager", **CONFIG)))  # it matters
     engine = engine_for(model(), tmp_path)
     assert run(engine) == eager
-    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 1, 0]] * 2
+    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 1, 0]] * 3
 
 
 @pytest.mark.regression
 def test_alternating_sliding_windows_get_two_block_traces(tmp_path):
     engine = engine_for(tiny_gpt("gemma2_window"), tmp_path)
     assert run(engine) == run(Engine(tiny_gpt("gemma2_window"), EngineConfig(compile="eager", **CONFIG)))
-    assert [block_programs(engine, w) for w in SHAPES] == [[0, 1, 0, 1]] * 2
+    assert [block_programs(engine, w) for w in SHAPES] == [[0, 1, 0, 1]] * 3
 
 
 @pytest.mark.regression
@@ -83,7 +84,7 @@ def test_whole_step_trace_gives_the_same_outputs(tmp_path):
     whole = Engine(tiny_gpt("pythia"), EngineConfig(**CONFIG, trace="step"))
     whole.warmup()
     assert run(whole) == layered
-    assert whole.stats()["programs"] == {"step": 2}  # one whole trace per shape, always with the sort
+    assert whole.stats()["programs"] == {"step": 3}  # one whole trace per shape, always with the sort
 
 
 def test_cuda_graphs_need_the_whole_step_trace():
@@ -102,7 +103,7 @@ def test_stored_layout_is_used_only_where_its_checks_pass(tmp_path):
     want = run(cold)
     warm = engine_for(tiny_gpt("llama", n_layer=4), tmp_path)
     assert run(warm) == want
-    assert (warm.stats()["traced"], warm.stats()["disk_cache_hits"]) == (0, 10)
+    assert (warm.stats()["traced"], warm.stats()["disk_cache_hits"]) == (0, 15)
 
     def changed():
         gpt = tiny_gpt("llama", n_layer=4)
@@ -114,5 +115,5 @@ def test_stored_layout_is_used_only_where_its_checks_pass(tmp_path):
         warnings.simplefilter("error", CompileCacheWarning)
         outputs = run(engine)
     assert outputs == run(Engine(changed(), EngineConfig(compile="eager", **CONFIG)))
-    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 0, 1]] * 2
-    assert engine.runner.step_fn.traced == {"block": 2}  # layer 3 at each shape; everything else loaded
+    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 0, 1]] * 3
+    assert engine.runner.step_fn.traced == {"block": 3}  # layer 3 at each shape; everything else loaded

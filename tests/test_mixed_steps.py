@@ -98,7 +98,10 @@ def test_ladder_rungs_follow_the_longest_busy_position():
 def test_step_shapes_are_listed_and_bounded():
     config = EngineConfig(batch_size=4, max_seq_length=1500, prefill_chunk=16, prefill_lanes=2)
     assert config.attention_lengths == (256, 512, 1024, 1500)
-    assert len(config.step_shapes) == 8 and config.step_rows(2) == 4 + 2 * 16
+    assert config.lane_counts == (2, 4) and config.step_rows(2) == 4 + 2 * 16
+    assert len(config.step_shapes) == 3 * 4  # (no lanes, 2, 4) x 4 rungs
+    assert EngineConfig(batch_size=128, prefill_chunk=16).lane_counts == (2, 8, 32, 128)
+    assert EngineConfig(batch_size=128, prefill_chunk=16, max_prefill_lanes=2).lane_counts == (2,)
     assert EngineConfig(max_seq_length=256).attention_lengths == (256,)
     assert EngineConfig(max_seq_length=100, prefill_chunk=8, attention_lengths=[64, 32]).attention_lengths == (
         32,
@@ -107,7 +110,7 @@ def test_step_shapes_are_listed_and_bounded():
     )
     assert EngineConfig(prefill_chunk=1).step_shapes == tuple(StepShape(0, r) for r in (256, 512, 1024))  # no lanes
     stats = eager(tiny_gpt("llama"), batch_size=2, prefill_chunk=4).stats()
-    assert stats["step_shapes"][0] == "2 decode rows, attend 8" and len(stats["step_shapes"]) == 8
+    assert stats["step_shapes"][0] == "2 decode rows, attend 8" and len(stats["step_shapes"]) == 8  # B = 2: lanes (2,)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +121,8 @@ def test_step_shapes_are_listed_and_bounded():
         (dict(attention_lengths=8), "attention_lengths"),
         (dict(prefill_lanes=-1), "prefill_lanes"),
         (dict(prefill_lanes=5), "prefill_lanes"),  # more lanes than slots
+        (dict(prefill_lanes=2, max_prefill_lanes=1), "max_prefill_lanes"),
+        (dict(max_prefill_lanes=5), "max_prefill_lanes"),
     ],
 )
 def test_bad_ladder_and_lanes_name_the_limit(overrides, param):
@@ -140,7 +145,7 @@ def test_thunder_every_shape_matches_eager_bit_for_bit(tmp_path):
         results[mode] = [(r.token_ids, [float(x).hex() for x in r.logprobs]) for r in out]
         if mode == "thunder":
             used = engine.stats()["cache_misses"]
-            assert 1 < used <= len(engine.config.step_shapes) == 8
+            assert 1 < used <= len(engine.config.step_shapes) == 12  # (no lanes, 2, 3 lanes) x 4 rungs
             engine.warmup()
-            assert engine.stats()["cache_misses"] == 8
+            assert engine.stats()["cache_misses"] == 12
     assert results["thunder"] == results["eager"]

@@ -27,8 +27,12 @@ def run_parity(family: str, engine: Engine) -> Engine:
     return engine
 
 
-def test_eager_matches_litgpt(family):
-    engine = Engine(tiny_gpt(family), EngineConfig(compile="eager", **ENGINE_CONFIG))
+LADDER = (16, 32)  # with max_seq_length 64: steps read 16, 32 or 64 cache entries
+
+
+@pytest.mark.parametrize("ladder", [None, LADDER])
+def test_eager_matches_litgpt(family, ladder):
+    engine = Engine(tiny_gpt(family), EngineConfig(compile="eager", attention_lengths=ladder, **ENGINE_CONFIG))
     run_parity(family, engine)
     assert engine.stats()["generated_tokens"] == 12 * MAX_NEW
     assert engine.stats()["finished_requests"] == 12
@@ -39,7 +43,16 @@ def test_eager_matches_litgpt(family):
 def test_thunder_matches_litgpt(family, thunder_engine):
     engine = thunder_engine(family)
     run_parity(family, engine)
-    assert engine.stats()["cache_misses"] == 2  # T = 8 and T = 1, nothing else
+    # this traffic runs decode-only and 2-lane steps (never 4 slots reading prompts at once), all 64 entries
+    assert engine.stats()["cache_misses"] == 2
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("family", ["llama", "gemma2_window"])
+def test_thunder_matches_litgpt_with_an_attention_ladder(family):
+    engine = Engine(tiny_gpt(family), EngineConfig(compile="thunder", attention_lengths=LADDER, **ENGINE_CONFIG))
+    run_parity(family, engine)
+    assert 2 < engine.stats()["cache_misses"] <= len(engine.config.step_shapes) == 9  # (0, 2, 4 lanes) x 3 rungs
 
 
 @torch.no_grad()

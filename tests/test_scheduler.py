@@ -20,7 +20,7 @@ def advance(plan):
 
 
 def test_prefill_lane_chunks_then_decode_row():
-    s = Scheduler(num_slots=2, chunk=4, lanes=1)
+    s = Scheduler(num_slots=2, chunk=4, lane_counts=(1,))
     r = request("a", 10, max_new_tokens=3)
     s.add(r)
     lanes, feeds, samples = [], [], []
@@ -39,7 +39,7 @@ def test_prefill_lane_chunks_then_decode_row():
 
 
 def test_lanes_go_to_the_oldest_prompts_and_decode_never_pauses():
-    s = Scheduler(num_slots=4, chunk=4, lanes=2)
+    s = Scheduler(num_slots=4, chunk=4, lane_counts=(2,))
     s.add(request("d", 1))
     run_step(s.schedule())  # a one-token prompt goes through its decode row
     for r in [request(i, 9) for i in range(3)]:
@@ -66,7 +66,7 @@ def run_step(plan):
 
 
 def test_without_lanes_prompts_go_one_token_per_step():
-    s = Scheduler(num_slots=2, chunk=4, lanes=0)
+    s = Scheduler(num_slots=2, chunk=4, lane_counts=())
     s.add(request("a", 3))
     feeds = []
     for _ in range(3):
@@ -88,18 +88,35 @@ def test_fifo_admission_into_freed_slots():
     assert list(s.waiting) == [] and s.find(3) is None and s.has_unfinished()
 
 
+def test_wide_steps_open_only_the_lanes_prompts_fill():
+    s = Scheduler(num_slots=8, chunk=4, lane_counts=(2, 8))
+    for i in range(7):
+        s.add(request(i, 9))
+    opened = []
+    for _ in range(3):
+        plan = s.schedule()
+        opened.append(sum(w.lane is not None for w in plan.work))
+        run_step(plan)
+    # 7 prompts of 9 tokens: 7 < 8 lanes, so 2 lanes a step, oldest first; two lanes' last tokens go by decode row
+    assert opened == [2, 2, 2]
+    s = Scheduler(num_slots=8, chunk=4, lane_counts=(2, 8))
+    for i in range(8):
+        s.add(request(i, 9))
+    assert sum(w.lane is not None for w in s.schedule().work) == 8  # 8 prompts fill the wide step
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(1, 5),
     st.integers(1, 6),
-    st.integers(0, 3),
+    st.sets(st.integers(1, 5), max_size=3),
     st.lists(st.tuples(st.integers(0, 6), st.integers(1, 20), st.integers(1, 5), st.booleans()), max_size=12),
 )
-def test_random_traffic_plans(num_slots, chunk, lanes, arrivals):
+def test_random_traffic_plans(num_slots, chunk, lane_counts, arrivals):
     """Random arrival steps, prompt and output lengths, aborts: every plan feeds each request's tokens in
-    order from its cached count, decoding slots every step, lanes to the oldest prompts, at most
-    `lanes`, one slot each; every request ends."""
-    lanes = min(lanes, num_slots)
+    order from its cached count, decoding slots every step, lanes to the oldest prompts, as many as
+    the largest lane count they fill, one slot each; every request ends."""
+    lanes = tuple(sorted(c for c in lane_counts if c <= num_slots))
     s = Scheduler(num_slots, chunk, lanes)
     pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])  # (id, (arrival step, prompt, new, aborted))
     fed, admitted_order = {}, []
@@ -130,14 +147,14 @@ def test_random_traffic_plans(num_slots, chunk, lanes, arrivals):
         assert arrivals[rid][3] or tokens == want  # only an aborted request stops early
 
 
-def _check_plan(s: Scheduler, plan: StepPlan, chunk: int, lanes: int, admitted_order: list) -> None:
+def _check_plan(s: Scheduler, plan: StepPlan, chunk: int, lanes: tuple[int, ...], admitted_order: list) -> None:
     for r in s.slots:
         if r is not None and r.request_id not in admitted_order:
             admitted_order.append(r.request_id)
     slots = [w.slot for w in plan.work]
     assert len(slots) == len(set(slots))
     in_lanes = [w for w in plan.work if w.lane is not None]
-    assert sorted(w.lane for w in in_lanes) == list(range(len(in_lanes))) and len(in_lanes) <= lanes
+    assert sorted(w.lane for w in in_lanes) == list(range(len(in_lanes)))
     for w in plan.work:
         assert w.start_pos == w.request.num_cached and 1 <= len(w.token_ids) <= (chunk if w.lane is not None else 1)
     running = [r for r in s.slots if r is not None]
@@ -147,9 +164,12 @@ def _check_plan(s: Scheduler, plan: StepPlan, chunk: int, lanes: int, admitted_o
         (r for r in running if len(r.pending_ids()) > 1), key=lambda r: admitted_order.index(r.request_id)
     )
     if lanes:
+        opened = max([c for c in lanes if c <= len(prefilling)] or [lanes[0]])
         assert [w.request.request_id for w in sorted(in_lanes, key=lambda w: w.lane)] == [
-            r.request_id for r in prefilling[:lanes]
+            r.request_id for r in prefilling[:opened]
         ]
+    else:
+        assert not in_lanes
 
 
 def test_token_stop_is_held_back_until_decided():

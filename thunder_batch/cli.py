@@ -53,6 +53,8 @@ class EngineOptions(ModelOptions):
         prefill_chunk: Prompt tokens a prefill lane feeds per step (C).
         prefill_lanes: Prefill lanes per step (P): prompts read at once, C tokens each, beside the B
             decode rows; 0 feeds prompts one token per step through the decode rows. Default: 2 (at most B).
+        max_prefill_lanes: While more slots have prompt left, steps open 4x, 16x ... prefill_lanes lanes,
+            up to this many (default B); equal to prefill_lanes: never wider than that.
         attention_lengths: Rungs L of the attention-length ladder: a step reads the first L cache
             entries, the smallest rung covering every busy position. Default: 256, 512, ... up to
             max_seq_length (always the top rung).
@@ -64,6 +66,7 @@ class EngineOptions(ModelOptions):
     max_seq_length: int = 1024
     prefill_chunk: int = 64
     prefill_lanes: int | None = None
+    max_prefill_lanes: int | None = None
     attention_lengths: list[int] | None = None
     compile: Literal["thunder", "eager"] = "thunder"
     cache_dir: str | None = None
@@ -76,6 +79,7 @@ class EngineOptions(ModelOptions):
             max_seq_length=self.max_seq_length,
             prefill_chunk=self.prefill_chunk,
             prefill_lanes=self.prefill_lanes,
+            max_prefill_lanes=self.max_prefill_lanes,
             attention_lengths=self.attention_lengths,
             compile=self.compile,
             cache_dir=self.cache_dir,

@@ -57,13 +57,15 @@ class StepShape:
 @dataclass(frozen=True)
 class EngineConfig:
     """Shape of the compiled step: B slots with a cache of `max_seq_length` tokens each; a step feeds
-    B decode rows plus, while prompts are being read, `prefill_lanes` lanes of `prefill_chunk` tokens,
-    and attends over the first L cache entries, L a rung of `attention_lengths`."""
+    B decode rows plus, while prompts are being read, lanes of `prefill_chunk` tokens (`prefill_lanes`,
+    or 4x, 16x ... that up to `max_prefill_lanes` while that many slots have prompt left), and attends
+    over the first L cache entries, L a rung of `attention_lengths`."""
 
     batch_size: int = 8
     max_seq_length: int = 1024
     prefill_chunk: int = 64
     prefill_lanes: int | None = None  # None: 2, or batch_size if smaller
+    max_prefill_lanes: int | None = None  # None: batch_size; prefill_lanes: never wider steps
     # Rungs L of the attention-length ladder, each <= max_seq_length (which is always the top rung).
     # None: 256, 512, 1024, ... below max_seq_length, then max_seq_length.
     attention_lengths: tuple[int, ...] | None = None
@@ -86,6 +88,14 @@ class EngineConfig:
         _require_int("prefill_lanes", self.prefill_lanes, 0)
         if self.prefill_lanes > self.batch_size:
             raise ValueError(f"prefill_lanes ({self.prefill_lanes}) must be <= batch_size ({self.batch_size})")
+        if self.max_prefill_lanes is None:
+            object.__setattr__(self, "max_prefill_lanes", self.batch_size)
+        if not is_int(self.max_prefill_lanes) or not self.prefill_lanes <= self.max_prefill_lanes <= self.batch_size:
+            raise ParamError(
+                "max_prefill_lanes",
+                f"max_prefill_lanes must be an int in [prefill_lanes={self.prefill_lanes}, "
+                f"batch_size={self.batch_size}], got {self.max_prefill_lanes!r}",
+            )
         object.__setattr__(self, "attention_lengths", self._ladder())
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
@@ -108,17 +118,26 @@ class EngineConfig:
         return tuple(sorted({*rungs, S}))
 
     @property
-    def lanes(self) -> int:
-        """Prefill lanes of a mixed step; 0 when prompts go in one token per step through decode rows
-        (no lanes asked for, or a chunk of 1)."""
-        return self.prefill_lanes if self.prefill_chunk > 1 else 0
+    def lane_counts(self) -> tuple[int, ...]:
+        """Lanes a mixed step may have: prefill_lanes, then x4 up to max_prefill_lanes (which ends it).
+        Empty when prompts go in one token per step through the decode rows (no lanes, or a chunk of 1)."""
+        if not self.prefill_lanes or self.prefill_chunk == 1:
+            return ()
+        counts = [self.prefill_lanes]
+        while counts[-1] * 4 < self.max_prefill_lanes:
+            counts.append(counts[-1] * 4)
+        return tuple(sorted({*counts, self.max_prefill_lanes}))
 
     @property
     def step_shapes(self) -> tuple[StepShape, ...]:
         """Every shape the step program is made for, each once, whatever the traffic: a decode-only
-        and (with lanes) a mixed step at each rung of the attention-length ladder."""
-        kinds = (0, self.lanes) if self.lanes else (0,)
+        step and a mixed step per lane count, at each rung of the attention-length ladder."""
+        kinds = (0, *self.lane_counts)
         return tuple(StepShape(lanes, length) for lanes in kinds for length in self.attention_lengths)
+
+    def lanes_for(self, busy: int) -> int:
+        """The lane count of a step with `busy` lanes of prompt work: the smallest that holds them."""
+        return next(c for c in self.lane_counts if c >= busy) if busy else 0
 
     def step_rows(self, lanes: int) -> int:
         """N, the rows of a step with this many lanes: B decode rows + lanes * prefill_chunk."""

@@ -27,7 +27,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.prompt_style = prompt_style or prompt_style_for(model.config)
         self.runner = Runner(model, self.config)
-        self.scheduler = Scheduler(self.config.batch_size, self.config.prefill_chunk, self.config.lanes)
+        self.scheduler = Scheduler(self.config.batch_size, self.config.prefill_chunk, self.config.lane_counts)
         self.vocab_size = model.config.padded_vocab_size
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_ids = frozenset() if eos is None else frozenset({eos})

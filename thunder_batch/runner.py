@@ -66,9 +66,9 @@ class Runner:
         self.head_variants = ("filtered",) if whole_step else HEADS
 
     def shape_for(self, plan: StepPlan) -> StepShape:
-        """Lanes when any slot prefills through one; the shortest rung covering every fed position."""
-        lanes = self.config.lanes if plan.uses_lanes else 0
-        return StepShape(lanes, self.config.attention_length(plan.span))
+        """The fewest lanes holding the plan's; the shortest rung covering every fed position."""
+        busy = sum(w.lane is not None for w in plan.work)
+        return StepShape(self.config.lanes_for(busy), self.config.attention_length(plan.span))
 
     def inputs_for(self, plan: StepPlan, shape: StepShape | None = None) -> StepInputs:
         shape = shape or self.shape_for(plan)

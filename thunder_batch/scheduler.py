@@ -41,13 +41,15 @@ class Scheduler:
     """Admits waiting requests into free slots (FIFO) and plans each step.
 
     A decoding slot (one pending token) feeds it through its decode row, every step: decode never
-    pauses. Slots with prompt left take the `lanes` prefill lanes in admission order, up to `chunk`
-    tokens each per step (a long prompt spans several steps); the others wait for a lane. With no
-    lanes, prompts go in one token per step through the decode rows.
+    pauses. Slots with prompt left take prefill lanes in admission order, up to `chunk` tokens each
+    per step (a long prompt spans several steps). `lane_counts` are the lane counts a step may have
+    (the config's); a step opens the largest count that every lane fills (the smallest while fewer
+    slots have prompt left), so wide steps carry real prompt tokens only; the other slots wait for a
+    lane. With no lane counts, prompts go in one token per step through the decode rows.
     """
 
-    def __init__(self, num_slots: int, chunk: int, lanes: int = 0) -> None:
-        self.chunk, self.lanes = chunk, lanes
+    def __init__(self, num_slots: int, chunk: int, lane_counts: tuple[int, ...] = ()) -> None:
+        self.chunk, self.lane_counts = chunk, lane_counts
         self.slots: list[Request | None] = [None] * num_slots
         self.waiting: deque[Request] = deque()
         self._admitted = itertools.count()
@@ -85,14 +87,20 @@ class Scheduler:
             if request is None:
                 continue
             pending = request.pending_ids()
-            if len(pending) == 1 or not self.lanes:
+            if len(pending) == 1 or not self.lane_counts:
                 work.append(SlotWork(slot, request, pending[:1], request.num_cached, samples=len(pending) == 1))
             else:
                 prefilling.append(slot)
         prefilling.sort(key=self._admission.__getitem__)
-        for lane, slot in enumerate(prefilling[: self.lanes]):
+        for lane, slot in enumerate(prefilling[: self._lanes_open(len(prefilling))]):
             work.append(self._lane_work(lane, slot, self.slots[slot]))
         return StepPlan(work) if work else None
+
+    def _lanes_open(self, prefilling: int) -> int:
+        """Lanes for this step: the largest lane count that `prefilling` slots fill, at least the first."""
+        if not self.lane_counts:
+            return 0
+        return max([c for c in self.lane_counts if c <= prefilling] or [self.lane_counts[0]])
 
     def _admit(self) -> None:
         for slot, occupant in enumerate(self.slots):

@@ -27,6 +27,7 @@ def bench(
     batch_size: str = "8",
     prefill_chunk: int = 64,
     prefill_lanes: int = 2,
+    max_prefill_lanes: int | None = None,
     attention_lengths: str | None = None,
     max_seq_length: int | None = None,
     request_rate: float = math.inf,
@@ -56,6 +57,7 @@ def bench(
         batch_size: Engine slots B, or a sweep such as "1,4,8,16".
         prefill_chunk: Prompt tokens a prefill lane feeds per step (C).
         prefill_lanes: Prefill lanes per step (P, at most B): prompts read at once beside the decode rows.
+        max_prefill_lanes: Widest step while many slots have prompt left (4x, 16x ... P lanes); None: B.
         attention_lengths: Comma-separated rungs of the attention-length ladder, e.g. "256,512"; None:
             the engine's default (256, 512, ... up to max_seq_length).
         max_seq_length: KV cache length per slot; None fits the workload (rounded up to 64).
@@ -101,6 +103,7 @@ RUN_OPTIONS = (
     "batch_size",
     "prefill_chunk",
     "prefill_lanes",
+    "max_prefill_lanes",
     "attention_lengths",
     "max_seq_length",
     "request_rate",
@@ -231,6 +234,7 @@ DEFAULTS = dict(
     batch_size="8",
     prefill_chunk=64,
     prefill_lanes=2,
+    max_prefill_lanes=None,
     attention_lengths=None,
     max_seq_length=None,
     request_rate=math.inf,
@@ -257,6 +261,7 @@ def make_context(gpt, tokenizer, opts: dict, max_seq_length: int):
         max_seq_length=max_seq_length,
         prefill_chunk=min(opts["prefill_chunk"], max_seq_length),
         prefill_lanes=opts["prefill_lanes"],
+        max_prefill_lanes=opts["max_prefill_lanes"],
         attention_lengths=parse_lengths(opts["attention_lengths"], max_seq_length),
         eos_id=getattr(tokenizer, "eos_id", None),
         ignore_eos=opts["ignore_eos"],
@@ -318,6 +323,7 @@ def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_labe
             max_seq_length=ctx.max_seq_length,
             prefill_chunk=ctx.prefill_chunk,
             prefill_lanes=ctx.prefill_lanes,
+            max_prefill_lanes=ctx.max_prefill_lanes,
             attention_lengths=ctx.attention_lengths,
             ignore_eos=ctx.ignore_eos,
             seed=opts["seed"],

@@ -75,6 +75,7 @@ def engine_config(system: str, batch_size: int, ctx: BenchContext, cache_dir: st
         max_seq_length=ctx.max_seq_length,
         prefill_chunk=ctx.prefill_chunk,
         prefill_lanes=min(ctx.prefill_lanes, batch_size),
+        max_prefill_lanes=None if ctx.max_prefill_lanes is None else min(ctx.max_prefill_lanes, batch_size),
         attention_lengths=ctx.attention_lengths,
     )
     executors = ENGINE_SYSTEMS[system]

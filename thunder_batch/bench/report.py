@@ -68,17 +68,19 @@ def shape_summary(steps) -> dict:
 
 
 def admit_ratio(steps) -> float | None:
-    """Median step with prefill lanes over the median decode-only step, at the rung where most lanes ran
-    (the same L: the ratio is the cost of admitting, not of reading more cache)."""
+    """Median step with the fewest prefill lanes (the step that admits a prompt beside decoding slots)
+    over the median decode-only step, at the rung where most of those ran (the same L: the ratio is the
+    cost of admitting, not of reading more cache). Wider steps are in `step_shapes`."""
     mixed = [s for s in steps if s.lanes]
     if not mixed:
         return None
-    rungs = [s.length for s in mixed]
+    narrowest = min(s.lanes for s in mixed)
+    rungs = [s.length for s in mixed if s.lanes == narrowest]
     length = max(set(rungs), key=rungs.count)
     decode = [s.seconds for s in steps if not s.lanes and s.length == length]
     if not decode:
         return None
-    return _median([s.seconds for s in mixed if s.length == length]) / _median(decode)
+    return _median([s.seconds for s in mixed if (s.lanes, s.length) == (narrowest, length)]) / _median(decode)
 
 
 def _median(values: list[float]) -> float:

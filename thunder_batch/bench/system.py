@@ -24,6 +24,7 @@ class BenchContext:
     max_seq_length: int
     prefill_chunk: int = 64
     prefill_lanes: int = 2
+    max_prefill_lanes: int | None = None  # None: B
     attention_lengths: tuple[int, ...] | None = None  # None: the engine's default ladder
     eos_id: int | None = None
     ignore_eos: bool = False
