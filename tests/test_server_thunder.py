@@ -74,18 +74,19 @@ def completions(server: Server) -> list[str]:
 @pytest.mark.slow
 def test_thunder_server_traces_once_then_loads_from_the_compile_cache(two_layer_checkpoint, expected, tmp_path):
     args = [f"--{k}={v}" for k, v in ENGINE.items()] + ["--cache_dir", str(tmp_path / "cache")]
-    # Cold: per width a prefix, three heads and the block (2 widths: 10 programs; the second layer is
-    # traced once more at the first width, to learn that block_idx does not matter). Warm: all loaded.
-    for run, (traced, loaded) in enumerate([(11, 0), (0, 10)]):
+    # Cold: per shape a prefix, three heads and the block (3 shapes: decode only, 2 and 4 lanes: 15
+    # programs; the second layer is traced once more at the first shape, to learn that block_idx does
+    # not matter). Warm: all loaded.
+    for run, (traced, loaded) in enumerate([(16, 0), (0, 15)]):
         server = Server(tmp_path / f"server{run}.log", two_layer_checkpoint, *args, compile="thunder")
         try:
             assert completions(server) == expected
             stats = server.wait_all_free()
-            # Both step widths made once at startup (traced cold, loaded warm); no request retraced.
-            assert stats["cache_misses"] == 2
+            # Every step shape made once at startup (traced cold, loaded warm); no request retraced.
+            assert stats["cache_misses"] == 3
             assert (stats["traced"], stats["disk_cache_hits"]) == (traced, loaded), stats
-            assert stats["programs"] == {"prefix": 2, "block": 2, "head": 2, "head-unfiltered": 2, "head-greedy": 2}
+            assert stats["programs"] == {"prefix": 3, "block": 3, "head": 3, "head-unfiltered": 3, "head-greedy": 3}
             assert stats["cache_hits"] > 0
         finally:
             assert server.stop() == 0, server.log()
-    assert len(list((tmp_path / "cache").glob("*.json"))) == 12  # 10 pieces and each width's block layout
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 18  # 15 pieces and each shape's block layout
