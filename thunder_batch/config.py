@@ -37,6 +37,11 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _as_tuple(value):
+    """Lists (from JSON or a CLI) as tuples, so the config stays hashable; anything else as it is."""
+    return tuple(value) if isinstance(value, list) else value
+
+
 def _require_int(name: str, value, minimum: int) -> None:
     if not is_int(value) or value < minimum:
         raise ParamError(name, f"{name} must be an int >= {minimum}, got {value!r}")
@@ -67,7 +72,7 @@ class EngineConfig:
     prefill_lanes: int | None = None  # None: 2, or batch_size if smaller
     max_prefill_lanes: int | None = None  # None: batch_size; prefill_lanes: never wider steps
     # Rungs L of the attention-length ladder, each <= max_seq_length (which is always the top rung).
-    # None: 256, 512, 1024, ... below max_seq_length, then max_seq_length.
+    # None: 256, 512, 1024, ... below max_seq_length, then max_seq_length. Resolved: `ladder`.
     attention_lengths: tuple[int, ...] | None = None
     compile: str = "thunder"
     executors: tuple[str, ...] | None = None  # None: Thunder's defaults for the device
@@ -83,20 +88,10 @@ class EngineConfig:
         _require_int("prefill_chunk", self.prefill_chunk, 1)
         if self.prefill_chunk > self.max_seq_length:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be <= max_seq_length ({self.max_seq_length})")
-        if self.prefill_lanes is None:
-            object.__setattr__(self, "prefill_lanes", min(2, self.batch_size))
-        _require_int("prefill_lanes", self.prefill_lanes, 0)
-        if self.prefill_lanes > self.batch_size:
-            raise ValueError(f"prefill_lanes ({self.prefill_lanes}) must be <= batch_size ({self.batch_size})")
-        if self.max_prefill_lanes is None:
-            object.__setattr__(self, "max_prefill_lanes", self.batch_size)
-        if not is_int(self.max_prefill_lanes) or not self.prefill_lanes <= self.max_prefill_lanes <= self.batch_size:
-            raise ParamError(
-                "max_prefill_lanes",
-                f"max_prefill_lanes must be an int in [prefill_lanes={self.prefill_lanes}, "
-                f"batch_size={self.batch_size}], got {self.max_prefill_lanes!r}",
-            )
-        object.__setattr__(self, "attention_lengths", self._ladder())
+        self._check_lanes()
+        if self.attention_lengths is not None:
+            object.__setattr__(self, "attention_lengths", _as_tuple(self.attention_lengths))
+        self.ladder  # noqa: B018  (validates the rungs)
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.trace not in TRACE_MODES:
@@ -107,11 +102,38 @@ class EngineConfig:
         if self.executors is not None:
             object.__setattr__(self, "executors", tuple(self.executors))
 
-    def _ladder(self) -> tuple[int, ...]:
+    # Fields stay as given (None: a default that follows the other fields, also after dataclasses.replace);
+    # the properties below resolve them.
+    def _check_lanes(self) -> None:
+        _require_int("prefill_lanes", self.admit_lanes, 0)
+        if self.admit_lanes > self.batch_size:
+            raise ParamError(
+                "prefill_lanes", f"prefill_lanes ({self.admit_lanes}) must be <= batch_size ({self.batch_size})"
+            )
+        if not is_int(self.burst_lanes) or not self.admit_lanes <= self.burst_lanes <= self.batch_size:
+            raise ParamError(
+                "max_prefill_lanes",
+                f"max_prefill_lanes must be an int in [prefill_lanes={self.admit_lanes}, "
+                f"batch_size={self.batch_size}], got {self.max_prefill_lanes!r}",
+            )
+
+    @property
+    def admit_lanes(self) -> int:
+        """P: prefill_lanes, default 2 (at most batch_size)."""
+        return min(2, self.batch_size) if self.prefill_lanes is None else self.prefill_lanes
+
+    @property
+    def burst_lanes(self) -> int:
+        """The widest step's lanes: max_prefill_lanes, default batch_size."""
+        return self.batch_size if self.max_prefill_lanes is None else self.max_prefill_lanes
+
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        """Rungs L of the attention-length ladder, ascending, max_seq_length last."""
         S, rungs = self.max_seq_length, self.attention_lengths
         if rungs is None:
             rungs = tuple(256 * 2**i for i in range(max(S.bit_length() - 8, 0)) if 256 * 2**i < S)
-        if not isinstance(rungs, (tuple, list)) or not all(is_int(r) and 1 <= r <= S for r in rungs):
+        if not isinstance(rungs, tuple) or not all(is_int(r) and 1 <= r <= S for r in rungs):
             raise ParamError(
                 "attention_lengths", f"attention_lengths must be ints in [1, max_seq_length={S}], got {rungs!r}"
             )
@@ -119,21 +141,21 @@ class EngineConfig:
 
     @property
     def lane_counts(self) -> tuple[int, ...]:
-        """Lanes a mixed step may have: prefill_lanes, then x4 up to max_prefill_lanes (which ends it).
-        Empty when prompts go in one token per step through the decode rows (no lanes, or a chunk of 1)."""
-        if not self.prefill_lanes or self.prefill_chunk == 1:
+        """Lanes a mixed step may have: P, then x4 up to the burst lanes (which end it). Empty when
+        prompts go in one token per step through the decode rows (no lanes, or a chunk of 1)."""
+        if not self.admit_lanes or self.prefill_chunk == 1:
             return ()
-        counts = [self.prefill_lanes]
-        while counts[-1] * 4 < self.max_prefill_lanes:
+        counts = [self.admit_lanes]
+        while counts[-1] * 4 < self.burst_lanes:
             counts.append(counts[-1] * 4)
-        return tuple(sorted({*counts, self.max_prefill_lanes}))
+        return tuple(sorted({*counts, self.burst_lanes}))
 
     @property
     def step_shapes(self) -> tuple[StepShape, ...]:
         """Every shape the step program is made for, each once, whatever the traffic: a decode-only
         step and a mixed step per lane count, at each rung of the attention-length ladder."""
         kinds = (0, *self.lane_counts)
-        return tuple(StepShape(lanes, length) for lanes in kinds for length in self.attention_lengths)
+        return tuple(StepShape(lanes, length) for lanes in kinds for length in self.ladder)
 
     def lanes_for(self, busy: int) -> int:
         """The lane count of a step with `busy` lanes of prompt work: the smallest that holds them."""
@@ -145,7 +167,7 @@ class EngineConfig:
 
     def attention_length(self, span: int) -> int:
         """The smallest rung covering cache entries 0 .. span-1."""
-        return next(r for r in self.attention_lengths if r >= span)
+        return next(r for r in self.ladder if r >= span)
 
 
 @dataclass(frozen=True)

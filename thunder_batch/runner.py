@@ -117,7 +117,7 @@ class Runner:
         for shape in shapes:
             start = time.perf_counter()
             # Heads see N rows, not L: every variant once per row count (the ladder's first rung).
-            first_rung = shape.length == self.config.attention_lengths[0]
+            first_rung = shape.length == self.config.ladder[0]
             for head in self.head_variants if first_rung else self.head_variants[:1]:
                 self.run(StepPlan([]), head, shape)
             seconds[shape.describe(self.config)] = time.perf_counter() - start
