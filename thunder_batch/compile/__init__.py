@@ -132,8 +132,8 @@ def compile_program(program: nn.Module, config: EngineConfig) -> Callable:
 
 def load_or_compile_program(program: StepProgram, config: EngineConfig) -> Callable:
     """The step program to call. Eager: `program` itself. trace="layers" (default): a LayeredProgram
-    whose pieces are traced once per step width or loaded from the compile cache (config.cache_dir).
-    trace="step": the whole step as one Thunder trace per width, kept in memory only."""
+    whose pieces are traced once per step shape or loaded from the compile cache (config.cache_dir).
+    trace="step": the whole step as one Thunder trace per shape, kept in memory only."""
     check_compile_setup(program, config)  # fail at construction, not at the first step
     if config.compile == "eager" or config.trace == "step":
         return compile_program(program, config)
@@ -167,7 +167,7 @@ def is_compiled(fn: Callable) -> bool:
 
 
 def program_stats(fn: Callable) -> dict:
-    """Counters of the step program: step widths made (`cache_misses`), calls that reused one
+    """Counters of the step program: step shapes made (`cache_misses`), calls that reused one
     (`cache_hits`), programs made per piece (`programs`), how many were traced and how many loaded
     from the compile cache, and the seconds spent making them."""
     from thunder_batch.compile.layered import LayeredProgram
@@ -184,7 +184,7 @@ def program_stats(fn: Callable) -> dict:
         compile_seconds=0.0,
         compile_seconds_by_piece={},
     )
-    if is_compiled(fn):  # trace="step": one Thunder trace per width
+    if is_compiled(fn):  # trace="step": one Thunder trace per shape
         thunder = import_thunder()
         misses = thunder.cache_misses(fn)
         stats.update(
@@ -198,7 +198,7 @@ def program_stats(fn: Callable) -> dict:
 
 
 def cache_misses(fn: Callable) -> int:
-    """Step widths made for `fn`: traced or loaded from the compile cache (0 for an eager program)."""
+    """Step shapes made for `fn`: traced or loaded from the compile cache (0 for an eager program)."""
     return program_stats(fn)["cache_misses"]
 
 

@@ -3,7 +3,7 @@
 Thunder turns the cache write
 `t.index_copy_(dim, idx, val)` (likewise `scatter_`) into `u = index_copy(t, dim, idx, val)` (a new
 tensor: a full copy of the cache) then `copy_(u, t)` (a second full copy). That is four whole-cache
-copies per layer per step, where eager writes only the B x T new entries. `InplaceScatter` rewrites
+copies per layer per step, where eager writes only the step's N new entries. `InplaceScatter` rewrites
 each such pair the torch executor runs into the in-place op; the `copy_` that follows then copies
 the buffer onto itself, which torch skips. Fused regions (torch.compile, nvFuser) are left alone:
 they plan their own writes.

@@ -93,7 +93,7 @@ def piece_from_record(record: dict) -> TracedPiece:
 
 
 class SharedTraces:
-    """The traces of one piece kind at one step width, each shared by every module it accepts.
+    """The traces of one piece kind at one step shape, each shared by every module it accepts.
 
     Thunder checks every plain attribute of every module it touches, including bookkeeping that
     never reaches the computation (litgpt's `block_idx`). When a new trace turns out to be the
@@ -102,7 +102,7 @@ class SharedTraces:
     """
 
     def __init__(self, ignored: set[Path] | None = None) -> None:
-        """ignored: the set of values found not to matter, shared (and grown) with other widths."""
+        """ignored: the set of values found not to matter, shared (and grown) with other shapes."""
         self.traces: list[TracedPiece] = []
         self.ignored: set[Path] = set() if ignored is None else ignored
 
