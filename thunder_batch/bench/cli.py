@@ -13,7 +13,13 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from thunder_batch.bench.plan import ALL_SYSTEMS, parse_batch_sizes, parse_precisions, parse_systems, plan_runs
+from thunder_batch.bench.plan import (
+    ALL_SYSTEMS,
+    parse_batch_sizes,
+    parse_precisions,
+    parse_systems,
+    plan_runs,
+)
 
 __all__ = ["ALL_SYSTEMS", "bench", "parse_batch_sizes", "parse_precisions", "parse_systems", "run_benchmark"]
 
@@ -178,13 +184,16 @@ def run_benchmark(gpt, tokenizer=None, prompt_style=None, model_label: str = "mo
     """Run the benchmark on a loaded litgpt GPT (tokenizer may be None with dataset="random"); returns the
     result dict that --output-json writes. Options are `bench`'s arguments, minus model loading; the
     model's label gets the run's precisions appended."""
+    from thunder_batch.bench.metrics import measure_peaks
+    from thunder_batch.bench.system import BenchContext
+
     opts = {**DEFAULTS, **opts}
     precisions = parse_precisions(opts["precisions"], precision_of(gpt))
     specs = parse_systems(opts["systems"])
     plan = plan_runs(specs, precisions, parse_batch_sizes(opts["batch_size"]))
     models = converted_models(gpt, precisions)
     workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, opts)
-    ctx = make_context(gpt, tokenizer, opts, max_seq_length)
+    ctx = BenchContext.from_options(gpt, tokenizer, opts, max_seq_length)
     skipped = unavailable_systems([s.name for s in specs], online=not math.isinf(opts["request_rate"]))
     peaks = measure_peaks(ctx.device, precisions, opts["matmul_n"], opts["copy_mb"])
     model_label = f"{model_label} {','.join(precisions)}"
@@ -251,53 +260,6 @@ DEFAULTS = dict(
     matmul_n=2048,
     copy_mb=256,
 )  # sizes of the peak-rate measurements (small in tests)
-
-
-def make_context(gpt, tokenizer, opts: dict, max_seq_length: int):
-    from thunder_batch.bench.system import BenchContext
-
-    return BenchContext(
-        device=gpt.lm_head.weight.device,
-        max_seq_length=max_seq_length,
-        prefill_chunk=min(opts["prefill_chunk"], max_seq_length),
-        prefill_lanes=opts["prefill_lanes"],
-        max_prefill_lanes=opts["max_prefill_lanes"],
-        attention_lengths=parse_lengths(opts["attention_lengths"], max_seq_length),
-        eos_id=getattr(tokenizer, "eos_id", None),
-        ignore_eos=opts["ignore_eos"],
-        tokenizer=tokenizer,
-        progress=opts["progress"],
-        cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
-        warm_compile=opts["warm_compile"],
-        profile=opts["profile"],
-    )
-
-
-def parse_lengths(value, max_seq_length: int) -> tuple[int, ...] | None:
-    """ "256,512" (or a list) -> the ladder's rungs that fit max_seq_length; None -> None (the default ladder)."""
-    if value is None:
-        return None
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    try:
-        rungs = {int(str(v).strip()) for v in items if str(v).strip()}
-    except ValueError:
-        raise ValueError(f"attention_lengths must be a comma-separated list of ints, got {value!r}") from None
-    return tuple(sorted(r for r in rungs if r <= max_seq_length))
-
-
-def measure_peaks(device, precisions: list[str], matmul_n: int = 2048, copy_mb: int = 256) -> dict:
-    """Peak matmul FLOP/s per precision (`matmul_flops_per_s[precision]`) and copy bandwidth, measured now."""
-    import torch
-
-    from thunder_batch.bench.metrics import measure_copy_bandwidth, measure_peak_matmul_flops
-
-    matmul = {p: measure_peak_matmul_flops(device, n=matmul_n, dtype=getattr(torch, p)) for p in precisions}
-    return dict(
-        matmul_flops_per_s=matmul,
-        copy_bytes_per_s=measure_copy_bandwidth(device, nbytes=copy_mb * 2**20),
-        matmul_shape=f"{matmul_n}x{matmul_n}x{matmul_n}",
-        copy_bytes=copy_mb * 2**20,
-    )
 
 
 def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_label) -> dict:

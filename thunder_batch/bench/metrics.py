@@ -217,3 +217,14 @@ def measure_copy_bandwidth(device: torch.device | str = "cpu", nbytes: int = 256
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
+
+
+def measure_peaks(device, precisions: list[str], matmul_n: int = 2048, copy_mb: int = 256) -> dict:
+    """Peak matmul FLOP/s per precision (`matmul_flops_per_s[precision]`) and copy bandwidth, measured now."""
+    matmul = {p: measure_peak_matmul_flops(device, n=matmul_n, dtype=getattr(torch, p)) for p in precisions}
+    return dict(
+        matmul_flops_per_s=matmul,
+        copy_bytes_per_s=measure_copy_bandwidth(device, nbytes=copy_mb * 2**20),
+        matmul_shape=f"{matmul_n}x{matmul_n}x{matmul_n}",
+        copy_bytes=copy_mb * 2**20,
+    )

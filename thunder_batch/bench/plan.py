@@ -34,16 +34,28 @@ class SystemSpec:
     batch_sizes: tuple[int, ...] | None = None  # None: every --batch-size
 
 
-def parse_batch_sizes(value) -> list[int]:
-    """ "1,4,8,16", 8 or [1, 4] -> sorted distinct positive ints."""
+def parse_ints(value, name: str) -> list[int]:
+    """ "1,4,8,16", 8 or [1, 4] -> sorted distinct ints; ValueError naming `name` otherwise."""
     items = value if isinstance(value, (list, tuple)) else str(value).split(",")
     try:
-        sizes = sorted({int(str(v).strip()) for v in items if str(v).strip()})
+        return sorted({int(str(v).strip()) for v in items if str(v).strip()})
     except ValueError:
-        raise ValueError(f"batch_size must be an int or a comma-separated list of ints, got {value!r}") from None
+        raise ValueError(f"{name} must be an int or a comma-separated list of ints, got {value!r}") from None
+
+
+def parse_batch_sizes(value) -> list[int]:
+    """ "1,4,8,16", 8 or [1, 4] -> sorted distinct positive ints."""
+    sizes = parse_ints(value, "batch_size")
     if not sizes or sizes[0] < 1:
         raise ValueError(f"batch sizes must be >= 1, got {value!r}")
     return sizes
+
+
+def parse_lengths(value, max_seq_length: int) -> tuple[int, ...] | None:
+    """ "256,512" (or a list) -> the ladder's rungs that fit max_seq_length; None -> None (the default ladder)."""
+    if value is None:
+        return None
+    return tuple(r for r in parse_ints(value, "attention_lengths") if r <= max_seq_length)
 
 
 def parse_precisions(value, default: str) -> list[str]:

@@ -8,7 +8,7 @@ import os
 import platform
 import sys
 
-from thunder_batch.bench.metrics import ModelCost, latency_metrics, throughput_metrics, useful_flops
+from thunder_batch.bench.metrics import ModelCost, latency_metrics, percentile, throughput_metrics, useful_flops
 from thunder_batch.bench.parity import compare_tokens
 from thunder_batch.bench.system import SystemRun
 from thunder_batch.versions import package_versions
@@ -63,7 +63,9 @@ def shape_summary(steps) -> dict:
     out = {}
     for lanes, length in sorted({(s.lanes, s.length) for s in steps}):
         ms = [1000 * s.seconds for s in steps if (s.lanes, s.length) == (lanes, length)]
-        out[f"lanes={lanes} L={length}"] = dict(steps=len(ms), mean_ms=sum(ms) / len(ms), median_ms=_median(ms))
+        out[f"lanes={lanes} L={length}"] = dict(
+            steps=len(ms), mean_ms=sum(ms) / len(ms), median_ms=percentile(sorted(ms), 50)
+        )
     return out
 
 
@@ -80,13 +82,8 @@ def admit_ratio(steps) -> float | None:
     decode = [s.seconds for s in steps if not s.lanes and s.length == length]
     if not decode:
         return None
-    return _median([s.seconds for s in mixed if (s.lanes, s.length) == (narrowest, length)]) / _median(decode)
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    admitting = sorted(s.seconds for s in mixed if (s.lanes, s.length) == (narrowest, length))
+    return percentile(admitting, 50) / percentile(sorted(decode), 50)
 
 
 def run_metrics(run: SystemRun, cost: ModelCost, peaks: dict, kv_bytes_per_entry: float) -> dict:

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from thunder_batch.bench.metrics import RequestTrace
+from thunder_batch.bench.plan import parse_lengths
 
 
 @dataclass
@@ -33,6 +34,25 @@ class BenchContext:
     cache_dir: str | None = None  # None: a fresh temporary compile cache (cold compile = real trace)
     warm_compile: bool = True
     profile: bool = False
+
+    @classmethod
+    def from_options(cls, gpt, tokenizer, opts: dict, max_seq_length: int) -> BenchContext:
+        """The context of one `thunder-batch bench` run from its options (bench/cli.py's DEFAULTS keys)."""
+        return cls(
+            device=gpt.lm_head.weight.device,
+            max_seq_length=max_seq_length,
+            prefill_chunk=min(opts["prefill_chunk"], max_seq_length),
+            prefill_lanes=opts["prefill_lanes"],
+            max_prefill_lanes=opts["max_prefill_lanes"],
+            attention_lengths=parse_lengths(opts["attention_lengths"], max_seq_length),
+            eos_id=getattr(tokenizer, "eos_id", None),
+            ignore_eos=opts["ignore_eos"],
+            tokenizer=tokenizer,
+            progress=opts["progress"],
+            cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
+            warm_compile=opts["warm_compile"],
+            profile=opts["profile"],
+        )
 
     @property
     def stop_tokens(self) -> tuple[list[int], ...]:
