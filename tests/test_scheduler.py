@@ -34,7 +34,7 @@ def test_prefill_lane_chunks_then_decode_row():
     assert samples == [False, False, True]
     r.append(42, -0.1)
     plan = s.schedule()
-    assert not plan.uses_lanes and plan.work[0].token_ids == [42] and plan.work[0].start_pos == 10
+    assert not plan.busy_lanes and plan.work[0].token_ids == [42] and plan.work[0].start_pos == 10
     assert plan.span == 11
 
 
@@ -71,9 +71,9 @@ def test_without_lanes_prompts_go_one_token_per_step():
     feeds = []
     for _ in range(3):
         plan = s.schedule()
-        feeds.append((plan.work[0].token_ids, plan.work[0].samples, plan.uses_lanes))
+        feeds.append((plan.work[0].token_ids, plan.work[0].samples, plan.busy_lanes))
         advance(plan)
-    assert feeds == [([1], False, False), ([2], False, False), ([3], True, False)]
+    assert feeds == [([1], False, 0), ([2], False, 0), ([3], True, 0)]
 
 
 def test_fifo_admission_into_freed_slots():
@@ -95,14 +95,14 @@ def test_wide_steps_open_only_the_lanes_prompts_fill():
     opened = []
     for _ in range(3):
         plan = s.schedule()
-        opened.append(sum(w.lane is not None for w in plan.work))
+        opened.append(plan.busy_lanes)
         run_step(plan)
     # 7 prompts of 9 tokens: 7 < 8 lanes, so 2 lanes a step, oldest first; two lanes' last tokens go by decode row
     assert opened == [2, 2, 2]
     s = Scheduler(num_slots=8, chunk=4, lane_counts=(2, 8))
     for i in range(8):
         s.add(request(i, 9))
-    assert sum(w.lane is not None for w in s.schedule().work) == 8  # 8 prompts fill the wide step
+    assert s.schedule().busy_lanes == 8  # 8 prompts fill the wide step
 
 
 @settings(max_examples=200, deadline=None)

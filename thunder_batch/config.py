@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -127,7 +128,7 @@ class EngineConfig:
         """The widest step's lanes: max_prefill_lanes, default batch_size."""
         return self.batch_size if self.max_prefill_lanes is None else self.max_prefill_lanes
 
-    @property
+    @functools.cached_property  # read every step: derived once (replace() makes a new config)
     def ladder(self) -> tuple[int, ...]:
         """Rungs L of the attention-length ladder, ascending, max_seq_length last."""
         S, rungs = self.max_seq_length, self.attention_lengths
@@ -139,7 +140,7 @@ class EngineConfig:
             )
         return tuple(sorted({*rungs, S}))
 
-    @property
+    @functools.cached_property
     def lane_counts(self) -> tuple[int, ...]:
         """Lanes a mixed step may have: P, then x4 up to the burst lanes (which end it). Empty when
         prompts go in one token per step through the decode rows (no lanes, or a chunk of 1)."""

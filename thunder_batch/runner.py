@@ -67,8 +67,7 @@ class Runner:
 
     def shape_for(self, plan: StepPlan) -> StepShape:
         """The fewest lanes holding the plan's; the shortest rung covering every fed position."""
-        busy = sum(w.lane is not None for w in plan.work)
-        return StepShape(self.config.lanes_for(busy), self.config.attention_length(plan.span))
+        return StepShape(self.config.lanes_for(plan.busy_lanes), self.config.attention_length(plan.span))
 
     def inputs_for(self, plan: StepPlan, shape: StepShape | None = None) -> StepInputs:
         shape = shape or self.shape_for(plan)

@@ -28,8 +28,9 @@ class StepPlan:
     work: list[SlotWork]
 
     @property
-    def uses_lanes(self) -> bool:
-        return any(w.lane is not None for w in self.work)
+    def busy_lanes(self) -> int:
+        """Prefill lanes this step feeds (0: every slot feeds its decode row)."""
+        return sum(w.lane is not None for w in self.work)
 
     @property
     def span(self) -> int:
