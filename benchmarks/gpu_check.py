@@ -208,7 +208,8 @@ def trace_summary(engine: Engine) -> dict:
     up as one CUDAGraphTransform region per captured stretch)."""
     from collections import Counter
 
-    from thunder_batch.compile import execution_traces, executor_claims, fusion_regions
+    from thunder_batch.compile.executors import executor_claims, fusion_regions
+    from thunder_batch.compile.step import execution_traces
 
     traces = execution_traces(engine.runner.step_fn)
     claims = sum((Counter(executor_claims(t)) for t in traces), Counter())

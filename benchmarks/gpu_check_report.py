@@ -15,7 +15,7 @@ import torch
 
 def environment(device: str) -> dict:
     """Versions tested, the accelerator, and which Thunder executors are usable (and why not)."""
-    from thunder_batch.compile import executor_availability
+    from thunder_batch.compile.executors import executor_availability
     from thunder_batch.versions import package_versions
 
     env = {

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from thunder_batch.bench import cli as bench
+from thunder_batch.bench import run as bench
 from thunder_batch.bench.metrics import ModelCost, RequestTrace, summary
 from thunder_batch.bench.parity import compare_tokens
 from thunder_batch.bench.workloads import build_workload, load_prompts, poisson_arrivals, same_length_groups
+from thunder_batch.cli.bench import bench as bench_command
 
 from helpers import tiny_gpt
 
@@ -86,7 +87,7 @@ def test_parse_options():
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser()
-    parser.add_function_arguments(bench.bench)
+    parser.add_function_arguments(bench_command)
     assert parser.parse_args(["--batch_size", "1,4,8"]).batch_size == "1,4,8"
     assert bench.parse_batch_sizes(parser.parse_args(["--batch_size", "8"]).batch_size) == [8]
     systems = "eager@float32:32,litgpt-sequential,thunder-torch@bfloat16/float32:64/128"

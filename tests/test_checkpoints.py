@@ -66,14 +66,14 @@ def _never_convert(*args, **kwargs):
 def test_unsupported_architecture_is_refused(tmp_path):
     path = _write_tiny_gguf(tmp_path / "tiny.gguf", "gpt2")
     with pytest.raises(ValueError, match=r"architecture 'gpt2'.*only 'llama'"):
-        convert_gguf_to_litgpt(path, tmp_path / DEFAULT_MODEL_NAME)
+        convert_gguf_to_litgpt(path, tmp_path / DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME)
     assert not (tmp_path / DEFAULT_MODEL_NAME).exists()
 
 
 def test_config_mismatch_names_fields(tmp_path):
     path = _write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
     with pytest.raises(ValueError, match=r"n_layer=30 but GGUF llama.block_count=2.*n_embd=576"):
-        convert_gguf_to_litgpt(path, tmp_path / DEFAULT_MODEL_NAME)
+        convert_gguf_to_litgpt(path, tmp_path / DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME)
 
 
 def test_interrupted_conversion_leaves_no_dir(tmp_path, monkeypatch):
@@ -87,14 +87,14 @@ def test_interrupted_conversion_leaves_no_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_convert, "_write_checkpoint", half_write)
     out = tmp_path / "ckpt" / DEFAULT_MODEL_NAME
     with pytest.raises(KeyboardInterrupt):
-        convert_gguf_to_litgpt(path, out)
+        convert_gguf_to_litgpt(path, out, DEFAULT_MODEL_NAME)
     assert list(out.parent.iterdir()) == []  # neither the dir nor the temp dir remains
 
 
 def test_refuses_to_overwrite(tmp_path):
     out = _write_fake_checkpoint(tmp_path / DEFAULT_MODEL_NAME)
     with pytest.raises(FileExistsError):
-        convert_gguf_to_litgpt(tmp_path / "never-read.gguf", out)
+        convert_gguf_to_litgpt(tmp_path / "never-read.gguf", out, DEFAULT_MODEL_NAME)
 
 
 def test_unpermute_inverts_llama_cpp_permute():

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from thunder_batch.cli import normalize_flags
+from thunder_batch.cli.main import normalize_flags
 
 
 def test_dashed_flags_and_repeated_list_flags():

@@ -23,7 +23,7 @@ import torch
 
 import thunder_batch.compile.cache as cc
 from thunder_batch import Engine, EngineConfig, SamplingParams
-from thunder_batch.compile import cli as compile_cli
+from thunder_batch.cli import compile as compile_cli
 from thunder_batch.compile.cache import (
     FORMAT_VERSION,
     CacheKey,

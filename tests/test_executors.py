@@ -12,17 +12,10 @@ import pytest
 import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
-from thunder_batch import compile as tb_compile
 from thunder_batch._compat import import_thunder
-from thunder_batch.compile import (
-    KNOWN_EXECUTORS,
-    cache_misses,
-    compile_options,
-    execution_traces,
-    executor_availability,
-    executor_claims,
-    fusion_regions,
-)
+from thunder_batch.compile import step as compile_step
+from thunder_batch.compile.executors import KNOWN_EXECUTORS, executor_availability, executor_claims, fusion_regions
+from thunder_batch.compile.step import cache_misses, compile_options, execution_traces
 
 from helpers import mixed_prompts, tiny_gpt
 
@@ -94,7 +87,7 @@ def test_compile_options_enable_nvfuser_scatter_and_cuda_graphs(monkeypatch):
     import_thunder()  # the compat patches before thunder's own imports, also when this test runs alone
     from thunder.transforms.cudagraph import CUDAGraphTransform
 
-    monkeypatch.setattr(tb_compile, "resolve_executors", lambda names: list(names))  # nvFuser needs no GPU here
+    monkeypatch.setattr(compile_step, "resolve_executors", lambda names: list(names))  # nvFuser needs no GPU here
     options = compile_options(EngineConfig(executors=("nvfuser", "torch"), cuda_graphs=True, trace="step"))
     assert options["executors"] == ["nvfuser", "torch"]
     assert options["nv_enable_scatter"] is True

@@ -8,8 +8,8 @@ import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
-from thunder_batch.compile import compile_options, execution_traces
 from thunder_batch.compile.inplace import INDEX_COPY_OPERATOR, OPERATOR
+from thunder_batch.compile.step import compile_options, execution_traces
 
 from helpers import ENGINE_CONFIG, mixed_prompts, tiny_gpt
 

@@ -7,7 +7,7 @@ import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
-from thunder_batch.compile import execution_traces
+from thunder_batch.compile.step import execution_traces
 from thunder_batch.kv_cache import attach_slot_caches
 from thunder_batch.model import forward_hidden, visibility_masks
 from thunder_batch.program import StepProgram

@@ -112,7 +112,7 @@ def request_with(path: str, **headers: str):
 
 
 def test_check_api_key():
-    from thunder_batch.serve.routes import check_api_key
+    from thunder_batch.serve.auth import check_api_key
 
     check_api_key(request_with("/v1/models"), None)  # no key configured: open
     check_api_key(request_with("/health"), KEY)  # probes need no key
@@ -127,14 +127,14 @@ def test_check_api_key():
 # -- the worker side on a tiny model (token ids, no tokenizer) ---------------------------------
 def tiny_api(board: dict):
     from thunder_batch import Engine
-    from thunder_batch.cli import EngineOptions
+    from thunder_batch.cli.options import EngineOptions
     from thunder_batch.serve.routes import OpenAIRoutes
     from thunder_batch.serve.worker import EngineAPI
 
     from helpers import tiny_gpt
 
     options = EngineOptions(batch_size=2, max_seq_length=32, prefill_chunk=4, compile="eager")
-    api = EngineAPI(options, OpenAIRoutes("tiny", board, 1000))
+    api = EngineAPI(options, OpenAIRoutes("tiny", board, 1000), board)
     api.attach(Engine(tiny_gpt("llama"), options.engine_config()))
     return api
 

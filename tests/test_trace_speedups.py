@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from thunder_batch._compat import import_thunder
-from thunder_batch.compile import compile_options, compile_program, trace_speedups
+from thunder_batch.compile import trace_speedups
+from thunder_batch.compile.step import compile_options, compile_program
 from thunder_batch.config import EngineConfig
 from thunder_batch.runner import Runner
 from thunder_batch.scheduler import StepPlan

@@ -8,7 +8,7 @@ import random
 from collections.abc import Iterator, Sequence
 
 from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
-from thunder_batch.compile import program_stats
+from thunder_batch.compile.step import program_stats
 from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, is_int
 from thunder_batch.request import GenerationResult, Request, StepOutput
 from thunder_batch.runner import Runner

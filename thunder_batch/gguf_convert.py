@@ -27,8 +27,6 @@ from litgpt.utils import save_config
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from thunder_batch.checkpoints import DEFAULT_MODEL_NAME
-
 SUPPORTED_ARCH = "llama"
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
 # Global tensors: llama.cpp name -> litgpt state-dict key.
@@ -52,7 +50,7 @@ _PRE_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaon
 _PRE_PLAIN = {"default", "gpt-2", "gpt2"}
 
 
-def convert_gguf_to_litgpt(gguf_path: Path | str, out_dir: Path | str, model_name: str = DEFAULT_MODEL_NAME) -> Path:
+def convert_gguf_to_litgpt(gguf_path: Path | str, out_dir: Path | str, model_name: str) -> Path:
     """Convert a llama-architecture GGUF into the litgpt checkpoint dir `out_dir` (fp32 weights), atomically.
 
     `model_name` picks the litgpt config; it must match the GGUF metadata (ValueError otherwise). Name

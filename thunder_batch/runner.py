@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thunder_batch.compile import load_or_compile_program
+from thunder_batch.compile.step import load_or_compile_program
 from thunder_batch.config import EngineConfig, StepShape
 from thunder_batch.kv_cache import attach_slot_caches
 from thunder_batch.model import check_supported

@@ -1,4 +1,4 @@
-"""Persistent compile cache: keys and the on-disk entry store (the command is in compile.cli).
+"""Persistent compile cache: keys and the on-disk entry store (`compile.entries` lists and clears them).
 
 An entry is one JSON file `<root>/<key digest>.json` holding a traced step program as Python
 source (see `trace_export`), its full key, a format version and a SHA-256 of its content. Entries

@@ -7,7 +7,6 @@ Runs in LitServe's API server processes. Requests are parsed and answers shaped 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
 from collections import deque
@@ -195,16 +194,6 @@ async def read_body(request: Request, limit: int) -> bytes:
 def error_response(e: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
-def check_api_key(request: Request, key: str | None) -> None:
-    """401 unless the request carries `key` as a Bearer token (or X-API-Key); /health stays open for probes."""
-    if key is None or request.url.path == "/health":
-        return
-    auth = request.headers.get("authorization", "")
-    token = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    if not hmac.compare_digest(token.encode(), key.encode()):
-        raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -30,7 +30,7 @@ def build_server(
     checkpoint_dir; `cancel_board`: a manager dict shared by the HTTP processes and the workers
     (uid -> time a client abandoned it)."""
     routes = OpenAIRoutes(Path(options.checkpoint_dir).name, cancel_board, max_body_bytes)
-    api = EngineAPI(options, routes, api_key)
+    api = EngineAPI(options, routes, cancel_board, api_key)
     server = ls.LitServer(
         api, accelerator=accelerator, devices=devices, workers_per_device=workers_per_device, timeout=False
     )

@@ -24,8 +24,8 @@ from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop
 from litserve.utils import LitAPIStatus, LoopResponseType
 
 from thunder_batch.config import ContextLengthError
+from thunder_batch.serve.auth import check_api_key
 from thunder_batch.serve.openai import APIError
-from thunder_batch.serve.routes import OpenAIRoutes, check_api_key
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 1.0  # an idle worker looks at its queue this often; a new request wakes it at once
@@ -39,10 +39,12 @@ class EngineAPI(ls.LitAPI):
     {"event": "accepted", "prompt_tokens"}, {"event": "delta", "text"[, "finish_reason", "completion_tokens"]},
     {"event": "error", "error": APIError fields}."""
 
-    def __init__(self, options, routes: OpenAIRoutes, api_key: str | None = None):
-        """options: the command's EngineOptions (each worker builds its own Engine from them in `setup`)."""
-        super().__init__(spec=routes, loop=EngineLoop())
-        self.options, self.cancel_board, self.api_key = options, routes.cancel_board, api_key
+    def __init__(self, options, spec, cancel_board, api_key: str | None = None):
+        """options: the command's EngineOptions (each worker builds its own Engine from them in `setup`);
+        spec: the HTTP side's LitSpec (`routes.OpenAIRoutes`); cancel_board: the dict it posts abandoned
+        uids on (uid -> time)."""
+        super().__init__(spec=spec, loop=EngineLoop())
+        self.options, self.cancel_board, self.api_key = options, cancel_board, api_key
         self.engine, self.lock, self._requests = None, None, {}
 
     def setup(self, device) -> None:

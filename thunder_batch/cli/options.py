@@ -1,26 +1,12 @@
-"""`thunder-batch` command line: subcommands from function signatures and docstrings (jsonargparse).
-
-Each command's entry function lives beside the code it drives (COMMANDS). The options every command
-shares are declared once, in ModelOptions and EngineOptions: a command takes them as `**options` and
-builds the dataclass, which jsonargparse follows to list them as ordinary flags (`--batch_size`).
-Text goes to stdout; timings, memory and logs to stderr. Heavy imports happen inside the commands.
-"""
+"""The options every command shares, declared once: the model (ModelOptions) and the engine
+(EngineOptions), which also build the EngineConfig and dtype. A command takes them as `**options` and
+builds the dataclass; jsonargparse follows it to list them as ordinary flags (`--batch_size`)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-
-# Subcommands: name -> (module, entry function).
-COMMANDS = {
-    "generate": ("thunder_batch.generate_cli", "generate"),
-    "serve": ("thunder_batch.serve.cli", "serve"),
-    "compile": ("thunder_batch.compile.cli", "compile_command"),
-    "bench": ("thunder_batch.bench.cli", "bench"),
-}
 
 
 @dataclass(frozen=True)
@@ -90,43 +76,3 @@ class EngineOptions(ModelOptions):
         from thunder_batch.engine import Engine
 
         return Engine.from_checkpoint(self.checkpoint_dir, self.engine_config(), dtype=self.dtype, device=device)
-
-
-# Flags that collect a list when repeated (`--prompt a --prompt b`), jsonargparse's `--prompt+ a`.
-REPEATABLE_FLAGS = ("--prompt", "--chat", "--stop")
-
-
-# Switches that may stand alone (`--list` means `--list true`).
-SWITCH_FLAGS = ("--list", "--clear", "--ignore_eos", "--profile", "--warm_compile", "--progress")
-
-
-def normalize_flags(argv: list[str]) -> list[str]:
-    """Accept `--batch-size` as well as `--batch_size`, repeated list flags, and bare switches."""
-    out = []
-    for i, arg in enumerate(argv):
-        if arg.startswith("--") and len(arg) > 2:
-            name, eq, value = arg.partition("=")
-            arg = name.replace("-", "_").replace("__", "--", 1) + eq + value
-        out.append(f"{arg}+" if arg in REPEATABLE_FLAGS else arg)
-        following = argv[i + 1] if i + 1 < len(argv) else "--"
-        if arg in SWITCH_FLAGS and following.startswith("--"):
-            out.append("true")
-    return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    from jsonargparse import CLI
-
-    argv = normalize_flags(sys.argv[1:] if argv is None else argv)
-    commands = {}
-    for name, (module, attr) in COMMANDS.items():
-        try:
-            commands[name] = getattr(__import__(module, fromlist=[attr]), attr)
-        except ImportError as e:  # e.g. the server's extra dependency missing
-            if importlib.util.find_spec(module) is not None:
-                print(f"thunder-batch: '{name}' unavailable: {e}", file=sys.stderr)
-    CLI(commands, args=argv, as_positional=False)
-
-
-if __name__ == "__main__":
-    main()

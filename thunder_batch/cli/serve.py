@@ -7,7 +7,7 @@ import os
 from dataclasses import replace
 from typing import Literal
 
-from thunder_batch.cli import EngineOptions
+from thunder_batch.cli.options import EngineOptions
 from thunder_batch.serve.server import build_server, run_server  # litserve missing: `serve` is unavailable
 
 

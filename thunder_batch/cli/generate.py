@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
-from thunder_batch.cli import EngineOptions
+from thunder_batch.cli.options import EngineOptions
 
 
 def generate(

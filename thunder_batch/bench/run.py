@@ -1,8 +1,9 @@
-"""`thunder-batch bench`: the engine against litgpt's own loops, same prompts, same weights, one run.
+"""The benchmark: the engine against litgpt's own loops, same prompts, same weights, one run.
 
 Workloads live in `workloads`, litgpt's loops in `baselines`, the engine runs in `engine_runs` (all three
 follow `system`); which (system, precision, B) runs are made in `plan`; numbers, checks and targets in
-`report` (over `metrics`); the table and plot in `output`. This module parses options and runs it all.
+`report` (over `metrics`); the table and plot in `output`. This module runs it all (`run_benchmark`);
+the `thunder-batch bench` command (cli.bench) loads the model and calls it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Literal
 
 from thunder_batch.bench.plan import (
     ALL_SYSTEMS,
@@ -21,109 +21,7 @@ from thunder_batch.bench.plan import (
     plan_runs,
 )
 
-__all__ = ["ALL_SYSTEMS", "bench", "parse_batch_sizes", "parse_precisions", "parse_systems", "run_benchmark"]
-
-
-def bench(
-    dataset: Literal["prompts", "random"] = "prompts",
-    num_requests: int = 32,
-    max_new_tokens: int = 64,
-    input_len: int = 128,
-    range_ratio: float = 0.5,
-    batch_size: str = "8",
-    prefill_chunk: int = 64,
-    prefill_lanes: int = 2,
-    max_prefill_lanes: int | None = None,
-    attention_lengths: str | None = None,
-    max_seq_length: int | None = None,
-    request_rate: float = math.inf,
-    seed: int = 0,
-    ignore_eos: bool = False,
-    systems: str = ",".join(ALL_SYSTEMS),
-    precisions: str | None = None,
-    device: str = "cpu",
-    cache_dir: Path | None = None,
-    warm_compile: bool = True,
-    profile: bool = False,
-    output_json: Path | None = None,
-    plot: Path | None = None,
-    progress: bool = True,
-    **model,
-) -> None:
-    """Benchmark the engine (eager and under Thunder per executor) against litgpt's generate_fn and
-    batched_generate_fn on the same requests and weights; greedy tokens are checked across systems.
-
-    Args:
-        dataset: "prompts": the shipped real prompts (chat template applied); "random": random token ids.
-        num_requests: Number of requests (N).
-        max_new_tokens: Most tokens per request; each request's limit is drawn uniformly from
-            [max_new_tokens * (1 - range_ratio), max_new_tokens].
-        input_len: Mean prompt length of the random dataset.
-        range_ratio: Spread of the seeded length distributions (0: all lengths equal).
-        batch_size: Engine slots B, or a sweep such as "1,4,8,16".
-        prefill_chunk: Prompt tokens a prefill lane feeds per step (C).
-        prefill_lanes: Prefill lanes per step (P, at most B): prompts read at once beside the decode rows.
-        max_prefill_lanes: Widest step while many slots have prompt left (4x, 16x ... P lanes); None: B.
-        attention_lengths: Comma-separated rungs of the attention-length ladder, e.g. "256,512"; None:
-            the engine's default (256, 512, ... up to max_seq_length).
-        max_seq_length: KV cache length per slot; None fits the workload (rounded up to 64).
-        request_rate: Requests per second of a Poisson arrival process; inf sends all at once (offline).
-        seed: Seed of the workload (lengths, random tokens, prompt order, arrival times).
-        ignore_eos: Generate exactly each request's token limit, ignoring the end-of-sequence token.
-        systems: Comma-separated systems to run, from litgpt-sequential, litgpt-batched, eager,
-            thunder-torch, thunder-torchcompile, thunder-nvfuser. A system may be restricted to some
-            precisions and batch sizes: `name@precision[/precision]:B[/B]`, e.g. "thunder-torch@float32:32"
-            runs thunder-torch in float32 at B=32 only; a plain name runs every precision at every batch size.
-        precisions: Comma-separated precisions, e.g. "float32,bfloat16"; None: the model's --precision.
-            The checkpoint is loaded once in --precision; each other precision runs on a converted copy.
-            Peak matmul FLOP/s is measured per precision; litgpt-sequential's fastest precision is the
-            baseline of vs_litgpt_sequential, the other ratios and the greedy-token checks compare runs of
-            the same precision.
-        device: "cpu" or "cuda".
-        cache_dir: Compile cache root; None uses a fresh temporary dir so cold compile is a real trace.
-        warm_compile: Also time a second engine loading the compiled programs from the compile cache.
-        profile: Profile one decode step of every engine run (top ops by self time).
-        output_json: Write every number, versions and machine info here.
-        plot: Write a PNG here: tokens/s vs batch size per system, and the TTFT distribution.
-        progress: tqdm progress bars on stderr.
-    """
-    from thunder_batch.chat import prompt_style_for
-    from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
-    from thunder_batch.cli import ModelOptions
-
-    options = {k: v for k, v in locals().items() if k in RUN_OPTIONS}
-    model = ModelOptions(**model)  # the engine's shape options are bench's own: it sweeps batch sizes
-    checkpoint_dir = default_checkpoint_dir() if model.checkpoint_dir is None else model.checkpoint_dir
-    gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=model.dtype, device=device)
-    run_benchmark(
-        gpt, tokenizer, prompt_style_for(config, checkpoint_dir), model_label=Path(checkpoint_dir).name, **options
-    )
-
-
-RUN_OPTIONS = (
-    "dataset",
-    "num_requests",
-    "max_new_tokens",
-    "input_len",
-    "range_ratio",
-    "batch_size",
-    "prefill_chunk",
-    "prefill_lanes",
-    "max_prefill_lanes",
-    "attention_lengths",
-    "max_seq_length",
-    "request_rate",
-    "seed",
-    "ignore_eos",
-    "systems",
-    "precisions",
-    "cache_dir",
-    "warm_compile",
-    "profile",
-    "output_json",
-    "plot",
-    "progress",
-)
+__all__ = ["ALL_SYSTEMS", "parse_batch_sizes", "parse_precisions", "parse_systems", "run_benchmark"]
 
 
 def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
@@ -135,7 +33,7 @@ def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
         skipped["litgpt-batched"] = "batched_generate_fn has no arrivals: offline workloads only"
     thunder = [s for s in systems if s.startswith("thunder-")]
     if thunder:
-        from thunder_batch.compile import executor_availability
+        from thunder_batch.compile.executors import executor_availability
 
         availability = executor_availability()
         for s in thunder:

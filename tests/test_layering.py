@@ -1,0 +1,160 @@
+"""Imports point one way (docs/DESIGN.md, Layout): every `import` statement in the package, those
+inside functions included, goes to its own layer or a lower one; none closes a cycle; nothing imports
+a command module. Importing `pkg.mod` also imports `pkg` (its __init__ runs), and `from pkg import
+mod` imports the submodule, so both count as edges."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "thunder_batch"
+
+# Lowest first. A module's layer is that of its longest listed prefix.
+LAYERS = [
+    ("pure Python", ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]),
+    ("torch", ["_compat", "index_ops", "kv_cache", "model", "sampler", "program", "checkpoints", "gguf_convert"]),
+    ("thunder", ["compile"]),
+    ("runner", ["runner"]),
+    ("engine", ["engine"]),
+    ("front ends", ["serve", "bench"]),
+    ("commands", ["cli"]),
+]
+PURE_NO_TORCH = ["config", "request", "stops", "scheduler", "versions"]  # DESIGN: pure Python, no torch
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _with_parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every module (package ones, and external top-level names) that `path` imports, anywhere in it."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules)
+    internal = {m for name in found if name.startswith("thunder_batch") for m in _with_parents(name) if m in modules}
+    return internal | {name.split(".")[0] for name in found if not name.startswith("thunder_batch")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: {m for m in imports_of(path, modules) if m in modules} - {name} for name, path in modules.items()}
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            full = prefix if prefix == "thunder_batch" else f"thunder_batch.{prefix}"
+            if (module == full or module.startswith(full + ".")) and len(full) > best:
+                best, rank = len(full), i
+    assert rank is not None, f"{module} is in no layer of LAYERS: add it (and to docs/DESIGN.md's layout)"
+    return rank
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_imports_point_down_the_layers():
+    wrong = [
+        f"{src} ({LAYERS[layer_of(src)][0]}) imports {dst} ({LAYERS[layer_of(dst)][0]})"
+        for src, dsts in import_graph().items()
+        for dst in dsts
+        if layer_of(dst) > layer_of(src)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_commands_import_commands():
+    wrong = [
+        f"{src} imports {dst}"
+        for src, dsts in import_graph().items()
+        if not src.startswith("thunder_batch.cli")
+        for dst in dsts
+        if dst.startswith("thunder_batch.cli")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_pure_modules_import_no_torch():
+    modules = _modules()
+    for name in PURE_NO_TORCH:
+        imported = imports_of(modules[f"thunder_batch.{name}"], modules)
+        assert not imported & {"torch", "thunder", "litgpt"}, f"thunder_batch.{name} imports {imported}"
+
+
+def test_only_compile_imports_thunder():
+    modules = _modules()
+    # _compat's import_thunder() is the one door: it patches torch, then imports thunder.
+    allowed = ("thunder_batch.compile", "thunder_batch._compat")
+    wrong = [n for n, p in modules.items() if "thunder" in imports_of(p, modules) and not n.startswith(allowed)]
+    assert not wrong, wrong
+
+
+def test_the_inference_worker_does_not_load_the_http_side():
+    assert "thunder_batch.serve.routes" not in import_graph()["thunder_batch.serve.worker"]
+
+
+@pytest.mark.parametrize(
+    "source, edges",
+    [
+        (
+            "import thunder_batch.compile.cache\n",
+            {"thunder_batch", "thunder_batch.compile", "thunder_batch.compile.cache"},
+        ),
+        (
+            "def f():\n    from thunder_batch.compile import cache\n",
+            {"thunder_batch", "thunder_batch.compile", "thunder_batch.compile.cache"},
+        ),
+        ("from thunder_batch.config import EngineConfig\n", {"thunder_batch", "thunder_batch.config"}),
+    ],
+)
+def test_the_walker_counts_function_level_and_submodule_imports(tmp_path, source, edges):
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    assert imports_of(path, _modules()) == edges
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None

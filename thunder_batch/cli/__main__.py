@@ -1,0 +1,3 @@
+from thunder_batch.cli.main import main
+
+main()

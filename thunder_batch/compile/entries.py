@@ -1,0 +1,43 @@
+"""The compile cache root as a user sees it: list its entries (piece, shape, status) and clear them.
+Tables go to stdout. `thunder-batch compile --list/--clear` (cli.compile) prints these."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from thunder_batch.compile.cache import read_entry
+
+
+def entry_files(root: Path) -> list[Path]:
+    return sorted(root.glob("*.json")) if root.is_dir() else []
+
+
+def list_entries(root: Path) -> None:
+    """One line per entry: digest, piece, model, B and rows N, cache length, dtype, device, size, age, status."""
+    files = entry_files(root)
+    print(f"{root}: {len(files)} entr{'y' if len(files) == 1 else 'ies'}")
+    for path in files:
+        record, problem = read_entry(path, None)
+        try:
+            key = json.loads(path.read_text(encoding="utf-8"))["key"]
+            model = json.loads(key["model_config"]).get("name", "?")
+            piece = key["piece"] + (f" {key['signature'][:8]}" if key["signature"] else "")
+            shape = f"B={key['batch_size']} N={key['rows']} S={key['max_seq_length']}"
+            where = f"{key['dtype'].removeprefix('torch.')} {key['device_kind']} {','.join(key['executors'])}"
+        except (OSError, ValueError, KeyError, TypeError):
+            piece, model, shape, where = "?", "?", "?", "?"
+        age_h = (time.time() - path.stat().st_mtime) / 3600
+        status = "ok" if record is not None else f"BAD: {problem}"
+        size_mb = path.stat().st_size / 1e6
+        print(f"  {path.stem}  {piece:<15}  {model}  {shape}  {where}  {size_mb:.2f} MB  {age_h:.1f} h  {status}")
+
+
+def clear_entries(root: Path) -> None:
+    """Delete entries and leftover temp files; anything else in the root (e.g. a README) stays."""
+    removed = 0
+    for path in [*entry_files(root), *(root.glob(".*.tmp") if root.is_dir() else ())]:
+        path.unlink(missing_ok=True)
+        removed += 1
+    print(f"{root}: removed {removed} file(s)")

@@ -1,0 +1,142 @@
+"""The step program to call: eager as it is, or compiled by Thunder (the layered program, or the
+whole step as one trace), with the jit options the config implies; its counters and traces."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from thunder_batch._compat import import_thunder
+from thunder_batch.compile.executors import resolve_executors
+from thunder_batch.config import EngineConfig
+from thunder_batch.program import StepProgram
+
+
+def compile_options(config: EngineConfig) -> dict:
+    """Keyword arguments for thunder.jit implied by the config."""
+    options: dict = {}
+    if config.executors is not None:
+        options["executors"] = resolve_executors(config.executors)
+        if "nvfuser" in config.executors:
+            options["nv_enable_scatter"] = True  # lets nvFuser claim the KV cache scatter and the gathers
+    from thunder_batch.compile.inplace import make_transform
+
+    options["transforms"] = [make_transform()]  # KV cache writes in place, not two whole-cache copies
+    if config.cuda_graphs:
+        from thunder.transforms.cudagraph import CUDAGraphTransform
+
+        # Module buffers (the KV caches) are static inputs: captured in place, written by every replay.
+        options["transforms"].append(CUDAGraphTransform())
+    return options
+
+
+def check_compile_setup(program: nn.Module, config: EngineConfig) -> None:
+    """Reject, before anything is traced, executor and CUDA graph settings that cannot work here."""
+    if config.compile == "eager":
+        if config.cuda_graphs or config.executors is not None:
+            raise ValueError("executors and cuda_graphs need compile='thunder' (got compile='eager')")
+        return
+    if config.executors is not None:
+        resolve_executors(config.executors)
+    if config.cuda_graphs:
+        device = next(program.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device; it is on {device}")
+
+
+def compile_program(program: nn.Module, config: EngineConfig) -> Callable:
+    """The step program to call: `program` itself in eager mode, else its Thunder-jitted twin."""
+    check_compile_setup(program, config)
+    if config.compile == "eager":
+        return program
+    if config.cuda_graphs:
+        program.requires_grad_(False)  # else Thunder's CUDA graph transform fails on the second shape
+    thunder = import_thunder()
+    from thunder_batch.compile import trace_speedups
+
+    trace_speedups.install()  # same traces, ~2x less tracing time (see trace_speedups)
+    return thunder.jit(program, **compile_options(config))
+
+
+def load_or_compile_program(program: StepProgram, config: EngineConfig) -> Callable:
+    """The step program to call. Eager: `program` itself. trace="layers" (default): a LayeredProgram
+    whose pieces are traced once per step shape or loaded from the compile cache (config.cache_dir).
+    trace="step": the whole step as one Thunder trace per shape, kept in memory only."""
+    check_compile_setup(program, config)  # fail at construction, not at the first step
+    if config.compile == "eager" or config.trace == "step":
+        return compile_program(program, config)
+    import_thunder()  # the compat patches must come before any thunder import
+    from thunder_batch.compile import trace_speedups
+    from thunder_batch.compile.cache import EntryStore, resolve_root
+    from thunder_batch.compile.layered import LayeredProgram
+
+    trace_speedups.install()
+    return LayeredProgram(
+        program,
+        config,
+        compile_options(config),
+        lambda: describe_options(config),
+        EntryStore(resolve_root(config.cache_dir)),
+    )
+
+
+def describe_options(config: EngineConfig) -> tuple[tuple[str, ...], dict]:
+    """(executor names in claim order, the other jit options as plain data): part of the cache key."""
+    thunder = import_thunder()
+    options = compile_options(config)
+    executors = options.pop("executors", None) or thunder.get_default_executors()
+    names = tuple(ex.name for ex in (*executors, *thunder.get_always_executors()))
+    options["transforms"] = [type(t).__name__ for t in options.get("transforms", ())]
+    return names, options
+
+
+def is_compiled(fn: Callable) -> bool:
+    return not isinstance(fn, nn.Module) or type(fn).__name__ == "ThunderModule"
+
+
+def program_stats(fn: Callable) -> dict:
+    """Counters of the step program: step shapes made (`cache_misses`), calls that reused one
+    (`cache_hits`), programs made per piece (`programs`), how many were traced and how many loaded
+    from the compile cache, and the seconds spent making them."""
+    from thunder_batch.compile.layered import LayeredProgram
+
+    if isinstance(fn, LayeredProgram):
+        return fn.stats()
+    stats = dict(
+        cache_misses=0,
+        cache_hits=0,
+        programs={},
+        traced=0,
+        not_stored=0,
+        disk_cache_hits=0,
+        compile_seconds=0.0,
+        compile_seconds_by_piece={},
+    )
+    if is_compiled(fn):  # trace="step": one Thunder trace per shape
+        thunder = import_thunder()
+        misses = thunder.cache_misses(fn)
+        stats.update(
+            cache_misses=misses,
+            cache_hits=thunder.cache_hits(fn),
+            programs={"step": misses},
+            traced=misses,
+            not_stored=misses,
+        )
+    return stats
+
+
+def cache_misses(fn: Callable) -> int:
+    """Step shapes made for `fn`: traced or loaded from the compile cache (0 for an eager program)."""
+    return program_stats(fn)["cache_misses"]
+
+
+def execution_traces(fn: Callable) -> list:
+    """Thunder's final execution traces of the programs traced in this process: every piece of a
+    layered program (prefix, blocks, heads), or the latest whole-step trace. Programs loaded from
+    the compile cache have no trace object and are not listed."""
+    from thunder_batch.compile.layered import LayeredProgram
+
+    if isinstance(fn, LayeredProgram):
+        return fn.execution_traces()
+    return [import_thunder().last_traces(fn)[-1]] if is_compiled(fn) and cache_misses(fn) else []
