@@ -39,7 +39,7 @@ def test_bf16_engine_keeps_bf16_caches_and_logits_and_matches_litgpt_up_to_near_
     gpt32 = tiny_gpt("llama")
     gpt = copy.deepcopy(gpt32).to(torch.bfloat16)
     engine = bf16_engine(gpt)
-    caches = [block.attn.kv_cache for block in engine.runner.gpt.transformer.h]
+    caches = engine.runner.caches
     assert caches and all(c.k.dtype == c.v.dtype == torch.bfloat16 for c in caches)
     seen = []
     engine.runner.gpt.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))

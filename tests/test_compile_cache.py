@@ -160,12 +160,12 @@ def test_loaded_block_matches_traced_block_and_writes_cache_in_place(traced):
     record, _ = read_entry(traced["path"], traced["key"])
     loaded = piece_from_record(record).bind(twin.blocks[0])
     idx, pos = torch.tensor([9, 10]), torch.tensor([5, 3])  # real tokens at real positions, one per slot
-    args = (*twin.prefix(idx, pos, torch.arange(16)), pos, torch.arange(2))
-    cache = twin.blocks[0].block.attn.kv_cache
+    args = twin.prefix(idx, pos, torch.arange(2), torch.arange(16))
+    cache = twin.blocks[0].cache
     before = cache.k[:, :, 5].clone()
     want, got = block_piece.jitted(*args), loaded(*args)
     assert torch.equal(want, got)
-    original = runner.program.blocks[0].block.attn.kv_cache
+    original = runner.program.blocks[0].cache
     assert torch.equal(original.k, cache.k) and torch.equal(original.v, cache.v)
     assert not torch.equal(cache.k[:, :, 5], before)  # written in place by the loaded program
     assert [id(b) for b in loaded.writes] == [id(cache.k), id(cache.v)]  # found from the trace

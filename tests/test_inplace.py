@@ -30,9 +30,9 @@ def test_cache_writes_run_in_place_and_match_eager():
     eager = Engine(tiny_gpt("llama"), EngineConfig(compile="eager", **ENGINE_CONFIG))
     traced = Engine(tiny_gpt("llama"), EngineConfig(compile="thunder", **config))
     assert run_mixed(traced) == run_mixed(eager)
-    for a, b in zip(traced.runner.gpt.transformer.h, eager.runner.gpt.transformer.h):
-        torch.testing.assert_close(a.attn.kv_cache.k, b.attn.kv_cache.k, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(a.attn.kv_cache.v, b.attn.kv_cache.v, rtol=1e-5, atol=1e-6)
+    for a, b in zip(traced.runner.caches, eager.runner.caches):
+        torch.testing.assert_close(a.k, b.k, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.v, b.v, rtol=1e-5, atol=1e-6)
     per_trace = [ops(trace) for trace in execution_traces(traced.runner.step_fn)]
     writes = [names.count((INDEX_COPY_OPERATOR, "thunder_batch")) for names in per_trace]
     assert sorted(set(writes)) == [0, 2], writes  # each block program: K and V in place; prefix and heads: none

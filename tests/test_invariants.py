@@ -8,8 +8,7 @@ import torch
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile.step import execution_traces
-from thunder_batch.kv_cache import attach_slot_caches
-from thunder_batch.model import forward_hidden, visibility_masks
+from thunder_batch.model import visibility_masks
 from thunder_batch.program import StepProgram
 
 from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
@@ -22,7 +21,7 @@ def eager_engine(family="llama", **overrides) -> Engine:
 
 
 def caches(engine: Engine):
-    return [block.attn.kv_cache for block in engine.runner.gpt.transformer.h]
+    return engine.runner.caches
 
 
 def fill_with_garbage(engine: Engine, seed=0) -> None:
@@ -47,7 +46,7 @@ def test_padding_and_empty_slots_never_touch_real_entries():
         # pads t = 3..7, idle lane 1 borrows slot 1 for all t
         assert changed[:, S].all() and changed[0, S + 4 :].all() and not changed[0, S + 1 : S + 4].any()
         assert changed[1, S + 1 :].all() and not changed[2:, S + 1 :].any()
-    assert engine.runner.gpt.transformer.h[0].attn.kv_cache.k.shape[2] == S + 1 + C  # every index < S + 1 + C
+    assert engine.runner.caches[0].k.shape[2] == S + 1 + C  # every index < S + 1 + C
 
 
 def test_slot_reuse_without_clearing_hides_stale_entries():
@@ -70,14 +69,13 @@ def test_per_slot_positions_and_chunking_match_full_forward(family):
     through decode rows and longer ones through lanes, the live window read at varying lengths L,
     sliding window on: logits equal litgpt's uncached full forward at every real position."""
     gpt = tiny_gpt(family, sliding_window_size=5) if family == "gemma2" else tiny_gpt(family)
-    gpt.max_seq_length = 32
     B, T = 3, 4
-    attach_slot_caches(gpt, B, 32 + 1 + T)
+    program = StepProgram(gpt, B, 32, T)
     seqs = torch.randint(0, 256, (B, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = gpt.lm_head(gpt.transformer.ln_f(_full_hidden(gpt, seqs)))  # [B, 11, V]
         chunks = [[4, 4, 1, 2, 0], [1, 4, 4, 1, 1], [0, 3, 4, 1, 3]]  # tokens per step per slot (0: idle)
-        got = _run_chunks(gpt, seqs, chunks, T)
+        got = _run_chunks(program, seqs, chunks, T)
     torch.testing.assert_close(got, reference, rtol=0, atol=2e-5)
 
 
@@ -90,9 +88,9 @@ def _full_hidden(gpt, seqs):
     return hidden[0]
 
 
-def _run_chunks(gpt, seqs, chunks, T):
+def _run_chunks(program, seqs, chunks, T):
     """Steps of B decode rows + B lanes of T rows (lane b feeds slot b), reading L = 8 * ceil(span / 8)."""
-    B, S = seqs.shape[0], gpt.max_seq_length
+    B, S, gpt = seqs.shape[0], program.prefix.cos.shape[0], program.prefix.gpt
     done, outs = [0] * B, [[] for _ in range(B)]
     for step in range(len(chunks[0])):
         x = torch.zeros(B + B * T, dtype=torch.long)
@@ -108,7 +106,10 @@ def _run_chunks(gpt, seqs, chunks, T):
             done[b] += n
         span = max(done)
         key_pos = torch.arange(-(-span // 8) * 8)
-        logits = gpt.lm_head(forward_hidden(gpt, x, pos, row_slot, key_pos, lane_len=T))  # [N, V]
+        hidden, *shared = program.prefix(x, pos, row_slot, key_pos)
+        for block in program.blocks:
+            hidden = block(hidden, *shared)
+        logits = gpt.lm_head(gpt.transformer.ln_f(hidden))  # [N, V]
         for b in range(B):
             outs[b].append(logits[list(rows[b])])
     return torch.stack([torch.cat(o) for o in outs])
@@ -198,11 +199,8 @@ def test_traced_step_op_count_does_not_grow_with_batch():
     thunder = import_thunder()
     counts = []
     for B in (2, 6):
-        gpt = tiny_gpt("llama", n_layer=1)
-        gpt.max_seq_length = 16
-        gpt.requires_grad_(False)
-        attach_slot_caches(gpt, B, 17)
-        jitted = thunder.jit(StepProgram(gpt))
+        gpt = tiny_gpt("llama", n_layer=1).requires_grad_(False)
+        jitted = thunder.jit(StepProgram(gpt, B, 16))
         zeros = torch.zeros(B, dtype=torch.long)
         args = (zeros, zeros, torch.arange(B), torch.arange(16), zeros, torch.zeros(B), zeros, torch.ones(B), zeros)
         jitted(*args)

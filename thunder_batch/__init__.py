@@ -12,9 +12,10 @@ _PUBLIC = {
     "SamplingParams": "thunder_batch.config",
     "GenerationResult": "thunder_batch.request",
     "StepOutput": "thunder_batch.request",
-    "batched_next_token": "thunder_batch.program",
     "batched_sample": "thunder_batch.sampler",
+    "index_copy_2d": "thunder_batch.index_ops",
     "index_copy_rows": "thunder_batch.index_ops",
+    "index_select_2d": "thunder_batch.index_ops",
 }
 
 __all__ = list(_PUBLIC)

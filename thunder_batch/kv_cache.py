@@ -1,11 +1,12 @@
-"""Slot KV cache: one buffer row per slot, written in place by position; replaces litgpt's KVCache."""
+"""Slot KV cache: one buffer row per slot, written in place by position. The engine owns one per layer;
+the caller's model (and its own `kv_cache` attributes) is never touched."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from thunder_batch.index_ops import index_copy_rows
+from thunder_batch.index_ops import index_copy_flat
 
 
 class SlotKVCache(nn.Module):
@@ -33,20 +34,18 @@ class SlotKVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def forward(self, row_slot: torch.Tensor, write_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        # row_slot, write_pos: [N]; k, v: [N, G, D] -> whole buffers [B, G, S + 1 + C, D]
-        index_copy_rows(self.k, 2, row_slot, write_pos, k)
-        index_copy_rows(self.v, 2, row_slot, write_pos, v)
+    def forward(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        # rows: [N * G] from flat_rows (the same for every layer of a step); k, v: [N, G, D]
+        # -> the whole buffers [B, G, S + 1 + C, D]
+        index_copy_flat(self.k, 2, rows, k)
+        index_copy_flat(self.v, 2, rows, v)
         return self.k, self.v
 
 
-def attach_slot_caches(gpt: nn.Module, batch_size: int, length: int) -> list[SlotKVCache]:
-    """Give every attention layer of a litgpt GPT its own SlotKVCache in the model's dtype/device."""
-    cfg = gpt.config
-    weight = gpt.lm_head.weight
-    caches = []
-    for block in gpt.transformer.h:
-        cache = SlotKVCache(batch_size, cfg.n_query_groups, length, cfg.head_size, weight.dtype, weight.device)
-        block.attn.kv_cache = cache
-        caches.append(cache)
-    return caches
+def slot_caches(gpt: nn.Module, batch_size: int, length: int) -> list[SlotKVCache]:
+    """One SlotKVCache per layer of a litgpt GPT, in the model's dtype and device."""
+    cfg, weight = gpt.config, gpt.lm_head.weight
+    return [
+        SlotKVCache(batch_size, cfg.n_query_groups, length, cfg.head_size, weight.dtype, weight.device)
+        for _ in gpt.transformer.h
+    ]

@@ -6,15 +6,21 @@ visible to a row at position p iff j <= p; attention reads the first L cache ent
 `key_pos` input, the smallest rung of a fixed ladder covering every busy position). Linear layers run
 on the N rows; decode rows attend over their own slot's cache, a lane over its slot's cache gathered
 by slot index. Grouped K/V heads are never copied to every query head.
+
+What is the same for every layer is made once per step by `step_inputs` (`StepShared`): the RoPE
+rows, the KV write's flat row indices, the attention masks already in the layout attention takes.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from litgpt.model import apply_rope, apply_rope_interleave, do_softcapping
+
+from thunder_batch.index_ops import flat_rows, index_select_2d
 
 
 def check_supported(config) -> None:
@@ -27,50 +33,81 @@ def check_supported(config) -> None:
         raise NotImplementedError(f"{config.name}: mixture-of-experts MLPs are not supported")
 
 
-def visibility_masks(input_pos: torch.Tensor, key_pos: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masks over the cache entries read, from positions alone: (global, sliding window), each `[N, L]` bool.
-    input_pos: [N]; key_pos: [L] (0 .. L-1)."""
+class StepShared(NamedTuple):
+    """What every block of one step reads besides x (K mask kinds: global, then sliding window if any).
+    Passed to the blocks as plain tensors, in this order."""
+
+    cos: torch.Tensor  # [N, 1, n_elem] each row's RoPE (one head dim to broadcast over)
+    sin: torch.Tensor  # [N, 1, n_elem]
+    kv_rows: torch.Tensor  # [N * G] rows each (row, K/V head) writes in a cache seen as [B * G * S', D]
+    decode_mask: torch.Tensor  # [K, B, 1, 1, L] additive (0 / lowest) in the model dtype
+    lane_slot: torch.Tensor  # [P] the slot each lane reads ([0]: a decode-only step)
+    lane_mask: torch.Tensor  # [K, P, 1, (H/G)*C, L] additive, already in the folded-head layout
+
+
+def visibility_masks(input_pos: torch.Tensor, key_pos: torch.Tensor, config) -> list[torch.Tensor]:
+    """Masks over the cache entries read, from positions alone: [global, sliding window (if any)],
+    each `[N, L]` bool. input_pos: [N]; key_pos: [L] (0 .. L-1)."""
     query_pos = input_pos.unsqueeze(-1)  # [N, 1]
     causal = key_pos <= query_pos  # [N, L]
     window = config.sliding_window_size
-    if window is None:  # a distinct tensor all the same: a program may not return one value twice
-        return causal, causal.clone()
-    return causal, causal & (key_pos > query_pos - window)
+    return [causal] if window is None else [causal, causal & (key_pos > query_pos - window)]
+
+
+def step_inputs(gpt, rope: tuple, cache_shape, idx, input_pos, row_slot, key_pos, lane_len: int):
+    """x [N, C] and the StepShared tensors of one step. rope: (cos, sin) tables [S, n_elem];
+    cache_shape: every layer's cache [B, G, S', D]. Real positions are < S; padding carries a
+    scratch position >= S (its RoPE row is any valid one: the result is never read)."""
+    cfg = gpt.config
+    B, N, L = cache_shape[0], idx.shape[0], key_pos.shape[0]
+    rope_pos = torch.remainder(input_pos, rope[0].shape[0]).view(1, N)
+    cos, sin = (index_select_2d(table, 0, rope_pos).view(N, 1, -1) for table in rope)  # [N, 1, n_elem]
+    x = gpt.transformer.wte(idx)  # [N, C]
+    if cfg.scale_embeddings:
+        x = x * torch.tensor(cfg.n_embd**0.5, dtype=x.dtype)
+    kv_rows = flat_rows(cache_shape, 2, row_slot, input_pos)  # [N * G]
+    visible = torch.stack(visibility_masks(input_pos, key_pos, cfg))  # [K, N, L]
+    # Additive, with the dtype's lowest value rather than -inf: a fully masked padding row stays finite.
+    additive = torch.zeros_like(visible, dtype=x.dtype).masked_fill(~visible, torch.finfo(x.dtype).min)
+    K, P, q_per_kv = additive.shape[0], (N - B) // lane_len, cfg.n_head // cfg.n_query_groups
+    decode_mask = additive[:, :B].reshape(K, B, 1, 1, L)
+    lane_mask = additive[:, B:].reshape(K, P, 1, 1, lane_len, L).expand(K, P, 1, q_per_kv, lane_len, L)
+    lane_mask = lane_mask.reshape(K, P, 1, q_per_kv * lane_len, L)  # head j of a group, token t: row j*C + t
+    lane_slot = row_slot[B::lane_len]  # [P]: a lane's rows all belong to its slot
+    return x, StepShared(cos, sin, kv_rows, decode_mask, lane_slot, lane_mask)
 
 
 def grouped_attention(q, k, v, mask, config) -> torch.Tensor:
     """Attention for H query heads over G shared K/V heads without repeating K/V.
 
-    q: [B, H, T, D], k, v: [B, G, L, D], mask: [B, 1, T, L] bool -> [B, T, H * D].
+    q: [B, H, T, D], k, v: [B, G, L, D], mask: additive, broadcastable to [B, 1, (H/G)*T, L] -> [B, T, H * D].
     The H/G query heads of a group fold into the query-length dim, so each group is one
     attention against its own un-copied K/V (head h uses group h // (H/G), as litgpt does).
     """
     B, H, T, D = q.shape
     G = k.shape[1]
-    q_per_kv = H // G
-    q = q.reshape(B, G, q_per_kv * T, D)  # [B, G, (H/G)*T, D]
-    mask = mask.repeat(1, 1, q_per_kv, 1)  # [B, 1, (H/G)*T, L]
+    q = q.reshape(B, G, (H // G) * T, D)  # [B, G, (H/G)*T, D]
     scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
     if config.attention_logit_softcapping is None:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
-        scores = do_softcapping(q @ k.mT * scale, config.attention_logit_softcapping)  # [B, G, (H/G)*T, L]
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        scores = do_softcapping(q @ k.mT * scale, config.attention_logit_softcapping) + mask  # [B, G, (H/G)*T, L]
         y = F.softmax(scores, dim=-1, dtype=torch.float).to(q.dtype) @ v
     # [B, G, (H/G)*T, D] -> [B, H, T, D] -> [B, T, H*D]
     return y.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config) -> torch.Tensor:
-    # x: [N, heads, D]; cos, sin: [N, n_elem], one position per row
+    # x: [N, heads, D]; cos, sin: [N, 1, n_elem], one position per row
     n_elem = config.rope_n_elem
     rotate = apply_rope_interleave if config.rope_interleave else apply_rope
-    roped = rotate(x[..., :n_elem], cos.unsqueeze(1), sin.unsqueeze(1))  # cos as [N, 1, n_elem]
-    return torch.cat((roped, x[..., n_elem:]), dim=-1)
+    if n_elem == x.shape[-1]:  # full rotary: no pass-through part to concatenate
+        return rotate(x, cos, sin)
+    return torch.cat((rotate(x[..., :n_elem], cos, sin), x[..., n_elem:]), dim=-1)
 
 
-def attention_forward(attn, x, cos, sin, mask, input_pos, row_slot, lane_len: int) -> torch.Tensor:
-    """litgpt CausalSelfAttention over a step's rows with slot KV caches. x: [N, C] -> [N, C]."""
+def attention_forward(attn, cache, x, shared: StepShared, kind: int, lane_len: int) -> torch.Tensor:
+    """litgpt CausalSelfAttention over a step's rows with its slot KV cache. x: [N, C] -> [N, C]."""
     cfg = attn.config
     N = x.shape[0]
     H, G, D = cfg.n_head, cfg.n_query_groups, cfg.head_size
@@ -80,35 +117,33 @@ def attention_forward(attn, x, cos, sin, mask, input_pos, row_slot, lane_len: in
     q, k, v = q.view(N, H, D), k.view(N, G, D), v.view(N, G, D)
     if cfg.norm_qk and cfg.norm_qk_type == "default":
         q, k = attn.norm_q(q), attn.norm_k(k)
-    q, k = _rope(q, cos, sin, cfg), _rope(k, cos, sin, cfg)
-    cache_k, cache_v = attn.kv_cache(row_slot, input_pos, k, v)  # [B, G, S + 1 + C, D]
-    return attn.proj(slot_attention(q, cache_k, cache_v, mask, row_slot, lane_len, cfg))
+    q, k = _rope(q, shared.cos, shared.sin, cfg), _rope(k, shared.cos, shared.sin, cfg)
+    cache_k, cache_v = cache(shared.kv_rows, k, v)  # [B, G, S + 1 + C, D]
+    return attn.proj(slot_attention(q, cache_k, cache_v, shared, kind, lane_len, cfg))
 
 
-def slot_attention(q, cache_k, cache_v, mask, row_slot, lane_len: int, config) -> torch.Tensor:
-    """Each row against its own slot's first L cache entries. q: [N, H, D]; cache_k/v: [B, G, S', D];
-    mask: [N, L]; row_slot: [N] -> [N, H * D]. Rows 0..B-1 decode slot b; the rest are lanes of `lane_len`."""
-    B, L = cache_k.shape[0], mask.shape[-1]
+def slot_attention(q, cache_k, cache_v, shared: StepShared, kind: int, lane_len: int, config) -> torch.Tensor:
+    """Each row against its own slot's first L cache entries. q: [N, H, D]; cache_k/v: [B, G, S', D]
+    -> [N, H * D]. Rows 0..B-1 decode slot b; the rest are lanes of `lane_len` rows; `kind` picks the mask."""
+    B, L = cache_k.shape[0], shared.decode_mask.shape[-1]
     N, H, D = q.shape
     keys, values = cache_k[:, :, :L], cache_v[:, :, :L]  # [B, G, L, D]: the live window only
-    decode = grouped_attention(q[:B].unsqueeze(2), keys, values, mask[:B].view(B, 1, 1, L), config)  # [B, 1, H*D]
+    decode = grouped_attention(q[:B].unsqueeze(2), keys, values, shared.decode_mask[kind], config)  # [B, 1, H*D]
     if N == B:  # a decode-only step
         return decode.view(B, H * D)
     P = (N - B) // lane_len
-    lane_slot = row_slot[B::lane_len]  # [P]: a lane's rows all belong to its slot
     lane_q = q[B:].view(P, lane_len, H, D).transpose(1, 2)  # [P, H, C, D]
-    lane_k, lane_v = keys.index_select(0, lane_slot), values.index_select(0, lane_slot)  # [P, G, L, D]
-    lane_mask = mask[B:].view(P, 1, lane_len, L)
-    lanes = grouped_attention(lane_q, lane_k, lane_v, lane_mask, config)  # [P, C, H*D]
+    lane_k, lane_v = keys.index_select(0, shared.lane_slot), values.index_select(0, shared.lane_slot)  # [P, G, L, D]
+    lanes = grouped_attention(lane_q, lane_k, lane_v, shared.lane_mask[kind], config)  # [P, C, H*D]
     return torch.cat((decode.view(B, H * D), lanes.reshape(P * lane_len, H * D)))
 
 
-def block_forward(block, x, cos, sin, masks, input_pos, row_slot, lane_len: int) -> torch.Tensor:
+def block_forward(block, cache, x, shared: StepShared, lane_len: int) -> torch.Tensor:
     """litgpt Block.forward (both residual layouts) with our attention. x: [N, C]."""
     cfg = block.config
-    mask = masks[1] if block.attn.apply_sliding_window_attention else masks[0]
+    kind = 1 if block.attn.apply_sliding_window_attention else 0
     x_normed = block.norm_1(x)
-    attention = attention_forward(block.attn, x_normed, cos, sin, mask, input_pos, row_slot, lane_len)
+    attention = attention_forward(block.attn, cache, x_normed, shared, kind, lane_len)
     attention_output = block.post_attention_norm(attention)
     if cfg.parallel_residual:
         if not cfg.shared_attention_norm:
@@ -118,27 +153,3 @@ def block_forward(block, x, cos, sin, masks, input_pos, row_slot, lane_len: int)
         x = attention_output + x
         x_normed = block.norm_2(x)
     return block.post_mlp_norm(block.mlp(x_normed)) + x
-
-
-def step_inputs(gpt, idx: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor):
-    """What every block reads: x [N, C], cos/sin [N, n_elem], masks (global, window) [N, L].
-
-    Real positions are < S (= gpt.max_seq_length); padding carries a scratch position >= S.
-    """
-    cfg = gpt.config
-    rope_pos = torch.remainder(input_pos, gpt.max_seq_length)  # pads read any valid row
-    cos = gpt.cos.index_select(0, rope_pos)  # [N, n_elem]
-    sin = gpt.sin.index_select(0, rope_pos)  # [N, n_elem]
-    mask_global, mask_window = visibility_masks(input_pos, key_pos, cfg)
-    x = gpt.transformer.wte(idx)  # [N, C]
-    if cfg.scale_embeddings:
-        x = x * torch.tensor(cfg.n_embd**0.5, dtype=x.dtype)
-    return x, cos, sin, mask_global, mask_window
-
-
-def forward_hidden(gpt, idx, input_pos, row_slot, key_pos, lane_len: int = 1) -> torch.Tensor:
-    """Final-norm hidden states of every row of one step (see the module docstring) -> [N, C]."""
-    x, cos, sin, *masks = step_inputs(gpt, idx, input_pos, key_pos)
-    for block in gpt.transformer.h:
-        x = block_forward(block, x, cos, sin, masks, input_pos, row_slot, lane_len)
-    return gpt.transformer.ln_f(x)

@@ -10,37 +10,51 @@ sequence: the eager run is the oracle for the compiled one.
 
 from __future__ import annotations
 
+import torch
 from litgpt.model import do_softcapping
 from torch import nn
 
-from thunder_batch.model import block_forward, step_inputs
+from thunder_batch.kv_cache import SlotKVCache, slot_caches
+from thunder_batch.model import StepShared, block_forward, step_inputs
 from thunder_batch.sampler import batched_sample, greedy_sample
 
 
+def rope_tables(gpt: nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """litgpt's RoPE cos/sin for positions 0 .. length-1 ([length, n_elem] float32), computed afresh:
+    a position's row does not depend on the table's length, and the model's own tables stay as they are."""
+    cos, sin = gpt.rope_cache(device=gpt.lm_head.weight.device)
+    return cos[:length].clone(), sin[:length].clone()
+
+
 class StepPrefix(nn.Module):
-    """Token embedding, RoPE tables gathered at each row's position, masks over the entries read."""
+    """Token embedding and what every block reads (`model.StepShared`): RoPE rows, the KV write's rows,
+    masks over the entries read. cache_shape: each layer's cache [B, G, S', D]; lane_len: rows per lane."""
 
-    def __init__(self, gpt: nn.Module) -> None:
+    def __init__(self, gpt: nn.Module, max_seq_length: int, cache_shape: tuple[int, ...], lane_len: int) -> None:
         super().__init__()
-        self.gpt = gpt
+        self.gpt, self.cache_shape, self.lane_len = gpt, tuple(cache_shape), lane_len
+        cos, sin = rope_tables(gpt, max_seq_length)
+        self.register_buffer("cos", cos, persistent=False)  # [S, n_elem]
+        self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, idx, input_pos, key_pos):
-        # idx, input_pos: [N]; key_pos: [L] -> x [N, C], cos/sin [N, n_elem], two masks [N, L]
-        return step_inputs(self.gpt, idx, input_pos, key_pos)
+    def forward(self, idx, input_pos, row_slot, key_pos):
+        # idx, input_pos, row_slot: [N]; key_pos: [L] -> x [N, C], then the StepShared tensors in order
+        rope = (self.cos, self.sin)
+        x, shared = step_inputs(self.gpt, rope, self.cache_shape, idx, input_pos, row_slot, key_pos, self.lane_len)
+        return (x, *shared)
 
 
 class BlockStep(nn.Module):
-    """One transformer block with its slot KV cache. x: [N, C] -> [N, C]; lanes of `lane_len` rows."""
+    """One transformer block with its own slot KV cache. x: [N, C] -> [N, C]; lanes of `lane_len` rows."""
 
-    def __init__(self, block: nn.Module, lane_len: int) -> None:
+    def __init__(self, block: nn.Module, cache: SlotKVCache, lane_len: int) -> None:
         super().__init__()
-        self.block = block
-        self.lane_len = lane_len
+        self.block, self.cache, self.lane_len = block, cache, lane_len
 
-    def forward(self, x, cos, sin, mask_global, mask_window, input_pos, row_slot):
+    def forward(self, x, cos, sin, kv_rows, decode_mask, lane_slot, lane_mask):
         # Argument names stay clear of the names Thunder's prologue gives submodules (m1, m2, ...).
-        masks = (mask_global, mask_window)
-        return block_forward(self.block, x, cos, sin, masks, input_pos, row_slot, self.lane_len)
+        shared = StepShared(cos, sin, kv_rows, decode_mask, lane_slot, lane_mask)
+        return block_forward(self.block, self.cache, x, shared, self.lane_len)
 
 
 HEADS = ("filtered", "unfiltered", "greedy")
@@ -78,13 +92,19 @@ class StepHead(nn.Module):
 
 
 class StepProgram(nn.Module):
-    """All pieces of one step for a GPT with slot caches attached; calling it runs them in order.
-    lane_len: rows per prefill lane (the prefill chunk C)."""
+    """All pieces of one step for a GPT, with B slots of `max_seq_length` cache each; calling it runs them
+    in order. lane_len: rows per prefill lane (the prefill chunk C). The program owns the slot caches
+    (one per layer, with scratch room for padding: see SlotKVCache) and its RoPE tables; the GPT's
+    weights are shared, never copied, and the GPT itself is left as it was."""
 
-    def __init__(self, gpt: nn.Module, lane_len: int = 1) -> None:
+    def __init__(self, gpt: nn.Module, batch_size: int, max_seq_length: int, lane_len: int = 1) -> None:
         super().__init__()
-        self.prefix = StepPrefix(gpt)
-        self.blocks = nn.ModuleList(BlockStep(block, lane_len) for block in gpt.transformer.h)
+        self.caches = nn.ModuleList(slot_caches(gpt, batch_size, max_seq_length + 1 + lane_len))
+        cache_shape = self.caches[0].k.shape
+        self.prefix = StepPrefix(gpt, max_seq_length, cache_shape, lane_len)
+        self.blocks = nn.ModuleList(
+            BlockStep(block, cache, lane_len) for block, cache in zip(gpt.transformer.h, self.caches)
+        )
         self.heads = nn.ModuleDict({variant: StepHead(gpt, variant) for variant in HEADS})
 
     def forward(
@@ -102,12 +122,7 @@ def run_step(prefix, blocks, head, idx, input_pos, row_slot, key_pos, last_row, 
     temperature, top_p: [B] float32; top_k, seed: [B] int64. Returns (token [B], logprob [B]).
     `prefix`, each of `blocks` and `head` are the pieces (modules, or their compiled programs).
     """
-    x, cos, sin, mask_global, mask_window = prefix(idx, input_pos, key_pos)
+    x, *shared = prefix(idx, input_pos, row_slot, key_pos)
     for block in blocks:
-        x = block(x, cos, sin, mask_global, mask_window, input_pos, row_slot)
+        x = block(x, *shared)
     return head(x, input_pos, last_row, temperature, top_k, top_p, seed)
-
-
-def batched_next_token(gpt, *step_args, lane_len: int = 1):
-    """One eager step of a GPT with slot caches attached (see `run_step` for the arguments)."""
-    return StepProgram(gpt, lane_len)(*step_args)

@@ -1,4 +1,4 @@
-"""Owns the model, its slot caches and the step program; turns a StepPlan into tensors and runs it."""
+"""Owns the step program (with its slot caches) over a model's weights; turns a StepPlan into tensors and runs it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 
 from thunder_batch.compile.step import load_or_compile_program
 from thunder_batch.config import EngineConfig, StepShape
-from thunder_batch.kv_cache import attach_slot_caches
 from thunder_batch.model import check_supported
 from thunder_batch.program import HEADS, StepProgram
 from thunder_batch.scheduler import StepPlan
@@ -42,7 +41,9 @@ class StepInputs:
 
 
 class Runner:
-    """The model side of the engine: B slots of `max_seq_length` cache each, one step program."""
+    """The model side of the engine: B slots of `max_seq_length` cache each, one step program.
+    It reads the GPT's weights (shared, not copied) and never changes the GPT: the slot caches and
+    RoPE tables are the step program's own."""
 
     def __init__(self, gpt: torch.nn.Module, config: EngineConfig) -> None:
         check_supported(gpt.config)
@@ -53,12 +54,9 @@ class Runner:
             )
         self.config = config
         self.device = gpt.lm_head.weight.device
-        gpt.max_seq_length = config.max_seq_length
-        gpt.eval().requires_grad_(False)
-        # Scratch room past the real positions for padding rows (see SlotKVCache).
-        attach_slot_caches(gpt, config.batch_size, config.max_seq_length + 1 + config.prefill_chunk)
         self.gpt = gpt
-        self.program = StepProgram(gpt, config.prefill_chunk)
+        self.program = StepProgram(gpt, config.batch_size, config.max_seq_length, config.prefill_chunk)
+        self.caches = list(self.program.caches)  # one SlotKVCache per layer
         self.step_fn = load_or_compile_program(self.program, config)
         # A head without the top-k/top-p sort is one more small piece, but one more whole trace of
         # the model with trace="step": there, every step keeps the sort.

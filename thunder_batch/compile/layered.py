@@ -9,6 +9,7 @@ retraced, with one warning, if it disagrees.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -62,6 +63,7 @@ class LayeredProgram:
         self.pieces: list[TracedPiece] = []  # every distinct program made, in order
         self.calls = 0
         self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
+        self._reference = contextlib.nullcontext
 
     @torch.no_grad()
     def __call__(
@@ -72,12 +74,12 @@ class LayeredProgram:
         shape = self._shapes.get((rows, length))
         if shape is None:
             shape = self._shapes[rows, length] = _Shape(self.ignored, self._heads.setdefault(rows, {}))
-        x, cos, sin, mask_global, mask_window = self._prefix(shape, (idx, input_pos, key_pos))
+        x, *shared = self._prefix(shape, (idx, input_pos, row_slot, key_pos))
         for i in range(len(self.program.blocks)):
-            x = self._block(shape, i, (x, cos, sin, mask_global, mask_window, input_pos, row_slot))
+            x = self._block(shape, i, (x, *shared))
         if not shape.blocks_settled:
             shape.blocks_settled = True
-            self._store_blocks(shape, (x, cos, sin, mask_global, mask_window, input_pos, row_slot))
+            self._store_blocks(shape, (x, *shared))
         kind = "head" if head == "filtered" else f"head-{head}"
         head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed)
         fn = shape.heads.get(kind)
@@ -123,7 +125,7 @@ class LayeredProgram:
         bound = piece.bind(module)
         if piece.jitted is not None:
             return bound, bound(*args)
-        out, problem = checked_call(bound, module, args)
+        out, problem = checked_call(bound, module, args, self._reference)
         if problem:
             warn(f"compile cache block entry ignored, retracing: failed its load-time check ({problem})")
             shared.traces.remove(piece)
@@ -140,7 +142,7 @@ class LayeredProgram:
             piece = self._load(key) if key is not None else None
             if piece is not None:
                 bound = piece.bind(module)
-                out, problem = checked_call(bound, module, args)
+                out, problem = checked_call(bound, module, args, self._reference)
                 if not problem:
                     self._count(True, kind, piece, traced=False)
                     return bound, out
@@ -240,12 +242,14 @@ class LayeredProgram:
         return [t for t in (piece.execution_trace() for piece in self.pieces) if t is not None]
 
 
-def checked_call(bound, module, args: tuple):
+def checked_call(bound, module, args: tuple, reference=contextlib.nullcontext):
     """Run a stored piece bound to `module` and the eager module on the same inputs from the same
     buffer state; returns (the piece's outputs, what disagrees or None). Outputs and in-place writes
-    must agree."""
+    must agree. `reference`: a context the eager module runs in (the kernels the program's executors
+    claim, so both sides compute the same way)."""
     before = [b.clone() for b in bound.writes]
-    want = module(*args)
+    with reference():
+        want = module(*args)
     after_eager = [b.clone() for b in bound.writes]
     for buffer, saved in zip(bound.writes, before):
         buffer.copy_(saved)
