@@ -96,7 +96,11 @@ def test_compile_options_enable_nvfuser_scatter_and_cuda_graphs(monkeypatch):
     plain = compile_options(EngineConfig(executors=("torchcompile", "torch")))
     assert "nv_enable_scatter" not in plain
     assert [type(t).__name__ for t in plain["transforms"]] == ["InplaceScatter"]
-    assert list(compile_options(EngineConfig())) == ["transforms"]
+    defaults = compile_options(EngineConfig())  # executors=None: the project's executor, then Thunder's defaults
+    thunder = import_thunder()
+    assert [ex.name for ex in defaults["executors"]] == ["thunder_batch"] + [
+        ex.name for ex in thunder.get_default_executors()
+    ]
 
 
 def test_executors_and_cuda_graphs_need_thunder():
@@ -160,7 +164,7 @@ def test_torchcompile_executor_matches_eager(prompts):
 
 # -- CUDA only ------------------------------------------------------------------------------------
 def kv_buffers(engine: Engine) -> list[torch.Tensor]:
-    return [t for block in engine.runner.gpt.transformer.h for t in (block.attn.kv_cache.k, block.attn.kv_cache.v)]
+    return [t for cache in engine.runner.caches for t in (cache.k, cache.v)]
 
 
 @needs_cuda

@@ -76,7 +76,7 @@ class EngineConfig:
     # None: 256, 512, 1024, ... below max_seq_length, then max_seq_length. Resolved: `ladder`.
     attention_lengths: tuple[int, ...] | None = None
     compile: str = "thunder"
-    executors: tuple[str, ...] | None = None  # None: Thunder's defaults for the device
+    executors: tuple[str, ...] | None = None  # None: the project's kernels, then Thunder's defaults
     cuda_graphs: bool = False
     cache_dir: str | None = None  # compile cache root; None: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache
     # "layers": prefix, blocks and head traced apart, layers sharing block traces (seconds to compile,

@@ -23,7 +23,8 @@ FORMAT_VERSION = 3
 ENV_VAR = "THUNDER_BATCH_CACHE_DIR"
 DEFAULT_ROOT = "compile_cache"
 # Modules whose source the step program runs: editing any of them invalidates every entry.
-PROGRAM_MODULES = ("program", "model", "sampler", "kv_cache", "index_ops", "compile.inplace")
+PROGRAM_MODULES = ("program", "model", "sampler", "kv_cache", "index_ops", "compile.inplace", "compile.kernels")
+PROGRAM_FILES = ("kernels/packed_linear.cpp",)  # the native kernels the project's executor runs
 
 
 class CompileCacheWarning(UserWarning):
@@ -83,6 +84,9 @@ def program_source_hash() -> str:
     digest = hashlib.sha256()
     for name in PROGRAM_MODULES:
         digest.update(Path(importlib.import_module(f"thunder_batch.{name}").__file__).read_bytes())
+    package = Path(importlib.import_module("thunder_batch").__file__).parent
+    for name in PROGRAM_FILES:
+        digest.update((package / name).read_bytes())
     return digest.hexdigest()
 
 

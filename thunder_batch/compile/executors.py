@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 from thunder_batch._compat import import_thunder
 
-# User-facing executor names, in the order they should claim ops (first wins).
-KNOWN_EXECUTORS = ("nvfuser", "torchcompile", "sdpa", "torch", "python")
+# User-facing executor names, in the order they should claim ops (first wins). "thunder_batch" is the
+# project's own (compile.kernels): small-row linears on CPU.
+KNOWN_EXECUTORS = ("thunder_batch", "nvfuser", "torchcompile", "sdpa", "torch", "python")
 
 _MISSING = {
     "nvfuser": "nvFuser is not installed: Thunder found no `nvfuser` package (its wheels are built for one "
@@ -22,7 +23,10 @@ def executor_availability() -> dict[str, str | None]:
     thunder = import_thunder()
     from thunder.extend import get_executor
 
+    from thunder_batch.compile.kernels import kernel_executor
+
     status = {}
+    kernel_executor()  # registers "thunder_batch" (its checker says which ops it can take here)
     for name in KNOWN_EXECUTORS:
         if get_executor(name) is None:
             status[name] = _MISSING.get(name, f"executor {name!r} is not registered with Thunder")
@@ -31,6 +35,15 @@ def executor_availability() -> dict[str, str | None]:
         else:
             status[name] = None
     return status
+
+
+def default_executors() -> list:
+    """`executors=None`: the project's executor (it claims CPU linears only, see compile.kernels), then
+    Thunder's defaults for the device. A fixed choice, not measured at run time."""
+    thunder = import_thunder()
+    from thunder_batch.compile.kernels import kernel_executor
+
+    return [kernel_executor(), *thunder.get_default_executors()]
 
 
 def resolve_executors(names: Sequence[str]) -> list:

@@ -35,14 +35,11 @@ IN_PLACE = {"scatter": (OPERATOR, scatter_into), "index_copy": (INDEX_COPY_OPERA
 
 def _operators() -> dict:
     """op name -> the Thunder symbol running its in-place twin, registered once with our executor."""
-    import_thunder()
     from thunder.core.proxies import TensorProxy
-    from thunder.extend import OperatorExecutor, get_executor, register_executor
 
-    executor = get_executor("thunder_batch")
-    if executor is None:
-        executor = OperatorExecutor("thunder_batch", version="1")
-        register_executor(executor)
+    from thunder_batch.compile.kernels import project_executor
+
+    executor = project_executor()
     for name, fn in IN_PLACE.values():
         if name not in executor.opmap:
             executor.register_operator(name, meta=lambda a, dim, index, src: TensorProxy(like=a), fn=fn)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from thunder_batch.compile.cache import EntryStore, make_key, piece_key, warn
+from thunder_batch.compile.kernels import EXECUTOR, KernelsMode
 from thunder_batch.compile.pieces import SharedTraces, TracedPiece, piece_from_record, trace_piece
 from thunder_batch.compile.signature import paths_from_json, paths_to_json
 from thunder_batch.program import StepProgram
@@ -63,7 +64,8 @@ class LayeredProgram:
         self.pieces: list[TracedPiece] = []  # every distinct program made, in order
         self.calls = 0
         self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
-        self._reference = contextlib.nullcontext
+        claims_kernels = any(getattr(ex, "name", None) == EXECUTOR for ex in options.get("executors", ()))
+        self._reference = KernelsMode if claims_kernels else contextlib.nullcontext
 
     @torch.no_grad()
     def __call__(

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torch import nn
 
 from thunder_batch._compat import import_thunder
-from thunder_batch.compile.executors import resolve_executors
+from thunder_batch.compile.executors import default_executors, resolve_executors
 from thunder_batch.config import EngineConfig
 from thunder_batch.program import StepProgram
 
@@ -16,7 +16,9 @@ from thunder_batch.program import StepProgram
 def compile_options(config: EngineConfig) -> dict:
     """Keyword arguments for thunder.jit implied by the config."""
     options: dict = {}
-    if config.executors is not None:
+    if config.executors is None:
+        options["executors"] = default_executors()
+    else:
         options["executors"] = resolve_executors(config.executors)
         if "nvfuser" in config.executors:
             options["nv_enable_scatter"] = True  # lets nvFuser claim the KV cache scatter and the gathers
@@ -85,7 +87,7 @@ def describe_options(config: EngineConfig) -> tuple[tuple[str, ...], dict]:
     """(executor names in claim order, the other jit options as plain data): part of the cache key."""
     thunder = import_thunder()
     options = compile_options(config)
-    executors = options.pop("executors", None) or thunder.get_default_executors()
+    executors = options.pop("executors")
     names = tuple(ex.name for ex in (*executors, *thunder.get_always_executors()))
     options["transforms"] = [type(t).__name__ for t in options.get("transforms", ())]
     return names, options

@@ -1,0 +1,133 @@
+"""The project's own Thunder executor ("thunder_batch"): kernels it claims from traced programs.
+
+It claims `linear` on CPU and runs it from a copy of the weight packed once, in the layout the kernel
+reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step's linears"):
+- bfloat16, any rows: oneDNN's linear on its own blocked layout (`_reorder_linear_weight`), the
+  same result as torch's bit for bit, 1.3-1.5x faster at the rows of a decode step;
+- float32, at most PACKED_ROWS rows: the project's kernel (thunder_batch.kernels), 2.5-4x torch's;
+  larger float32 linears stay with torch.
+The packed copies live beside the weights (one more copy of each claimed weight) and are redone
+when a weight is changed in place. The eager engine never uses them: they are what compiling adds.
+The same executor also holds the in-place KV cache write ops (`inplace`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from thunder_batch._compat import import_thunder
+
+EXECUTOR = "thunder_batch"
+LINEAR = "thunder_batch_packed_linear"
+PACKED_ROWS = 16  # float32: above this torch's GEMM is as fast (benchmarks/RESULTS.md)
+
+
+def project_executor():
+    """The "thunder_batch" OperatorExecutor, registered with Thunder on first use."""
+    import_thunder()
+    from thunder.extend import OperatorExecutor, get_executor, register_executor
+
+    executor = get_executor(EXECUTOR)
+    if executor is None:
+        executor = OperatorExecutor(EXECUTOR, version="1")
+        register_executor(executor)
+    return executor
+
+
+class PackedWeights:
+    """weight -> its packed copy, made on first use and redone when the weight changes in place
+    (`_version`); an entry goes with its weight."""
+
+    def __init__(self) -> None:
+        self._packed = WeakIdKeyDictionary()
+
+    def get(self, w: torch.Tensor) -> torch.Tensor:
+        entry = self._packed.get(w)
+        if entry is None or entry[0] != w._version:
+            entry = (w._version, self._pack(w.detach()))
+            self._packed[w] = entry
+        return entry[1]
+
+    @staticmethod
+    def _pack(w: torch.Tensor) -> torch.Tensor:
+        if w.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        from thunder_batch.kernels.build import pack_linear_weight
+
+        return pack_linear_weight(w)
+
+
+PACKED = PackedWeights()  # packed copies of weights, shared by every program of the process
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` from the packed copy of `w` (see the module docstring)."""
+    packed = PACKED.get(w)
+    if w.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    from thunder_batch.kernels.build import packed_linear as kernel
+
+    return kernel(x, packed, bias, w.shape[0])
+
+
+def claims_linear(device_type: str, dtypes: list, weight_ndim: int, rows: int) -> bool:
+    """Which linears the executor takes: CPU, one dtype throughout, bf16 (oneDNN here) or small fp32
+    (the native kernels built here)."""
+    if device_type != "cpu" or len(set(dtypes)) != 1 or weight_ndim != 2:
+        return False
+    if dtypes[0] == torch.bfloat16:
+        return torch.backends.mkldnn.is_available()
+    from thunder_batch.kernels.build import unavailable
+
+    return dtypes[0] == torch.float32 and rows <= PACKED_ROWS and unavailable() is None
+
+
+def _claims(x, w, bias=None) -> bool:
+    """The executor's checker, on the proxies of a traced `linear`."""
+    from thunder.core.dtypes import to_torch_dtype
+
+    tensors = [t for t in (x, w, bias) if t is not None]
+    if any(t.device.type != x.device.type for t in tensors):
+        return False
+    dtypes = [to_torch_dtype(t.dtype) for t in tensors]
+    return claims_linear(x.device.type, dtypes, w.ndim, math.prod(x.shape[:-1]))
+
+
+def _claims_tensors(x, w, bias=None) -> bool:
+    tensors = [t for t in (x, w, bias) if t is not None]
+    if any(t.device != x.device for t in tensors):
+        return False
+    return claims_linear(x.device.type, [t.dtype for t in tensors], w.ndim, math.prod(x.shape[:-1]))
+
+
+class KernelsMode(TorchFunctionMode):
+    """Eager code with the kernels this executor claims in traces: the load-time check of a stored
+    piece compares against it, so both sides run the same kernels."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and _claims_tensors(*args, **kwargs):
+            return packed_linear(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _linear_meta(x, w, bias=None):
+    from thunder.core.proxies import TensorProxy
+
+    return TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0]))
+
+
+def kernel_executor():
+    """The executor with `packed_linear` registered as `linear`'s implementation."""
+    executor = project_executor()
+    if LINEAR not in executor.opmap:
+        import thunder.torch as ltorch
+
+        op = executor.register_operator(LINEAR, meta=_linear_meta, fn=packed_linear)
+        executor.register_implementation(ltorch.linear, op, checker=_claims)
+    return executor

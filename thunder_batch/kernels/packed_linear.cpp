@@ -1,0 +1,100 @@
+// float32 y = x @ w.T (+ b) for few rows of x, from weights packed once: the decode step's linears.
+//
+// At 1-16 rows a linear layer is a read of its weights. The weight is packed once into blocks of 16
+// output features, [ceil(O/16), I, 16]: one 64-byte load holds 16 outputs' weights for one input, so
+// the whole matrix is read as one sequential stream, each value once, multiplied by every row of x
+// (a broadcast x[r, i]) into accumulators that hold 16 outputs each: no horizontal sums. Blocks of
+// outputs are split across threads (torch's OpenMP pool). AVX-512F; callers check the CPU first.
+// Each output is one float32 FMA chain over the inputs in order.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // output features per packed block (one zmm of float32)
+
+// acc[r][b]: outputs of block (blk0 + b) for row (m0 + r); R rows x NB blocks of accumulators.
+template <int R, int NB>
+void tile(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t m0, float* y, int64_t O) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  const float* base = packed + blk0 * I * kBlock;
+  for (int64_t i = 0; i < I; ++i) {
+    __m512 wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_ps(base + (b * I + i) * kBlock);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[(m0 + r) * I + i]);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t o = (blk0 + b) * kBlock, n = std::min<int64_t>(kBlock, O - o);
+      _mm512_mask_storeu_ps(y + (m0 + r) * O + o, __mmask16((1u << n) - 1), acc[r][b]);
+    }
+}
+
+// Rows per tile and blocks per tile: measured best on a 2-core AVX-512 machine (benchmarks/RESULTS.md).
+template <int R, int NB>
+void tiles(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t blk1, int64_t m0, float* y,
+           int64_t O) {
+  int64_t blk = blk0;
+  for (; blk + NB <= blk1; blk += NB) tile<R, NB>(x, I, packed, blk, m0, y, O);
+  for (; blk < blk1; ++blk) tile<R, 1>(x, I, packed, blk, m0, y, O);
+}
+
+void rows(const float* x, int64_t M, int64_t I, const float* packed, int64_t blk0, int64_t blk1, float* y,
+          int64_t O) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) tiles<8, 2>(x, I, packed, blk0, blk1, m, y, O);
+  for (; m + 4 <= M; m += 4) tiles<4, 4>(x, I, packed, blk0, blk1, m, y, O);
+  for (; m + 2 <= M; m += 2) tiles<2, 2>(x, I, packed, blk0, blk1, m, y, O);
+  for (; m < M; ++m) tiles<1, 4>(x, I, packed, blk0, blk1, m, y, O);
+}
+
+at::Tensor pack_linear_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "pack_linear_weight: a float32 CPU weight [out, in]");
+  const int64_t O = w.size(0), I = w.size(1), blocks = (O + kBlock - 1) / kBlock;
+  at::Tensor padded = at::zeros({blocks * kBlock, I}, w.options());
+  padded.narrow(0, 0, O).copy_(w);
+  return padded.view({blocks, kBlock, I}).transpose(1, 2).contiguous();  // [blocks, I, 16]
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "packed_linear: float32 CPU input");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(-1) && packed.size(2) == kBlock &&
+                  packed.size(0) * kBlock >= out_features && packed.is_contiguous(),
+              "packed_linear: packed weight from pack_linear_weight for this input width");
+  const int64_t I = x.size(-1), O = out_features;
+  const at::Tensor x2 = x.reshape({-1, I}).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor y = at::empty({M, O}, x.options());
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (O + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(4, (32 << 10) / (I * kBlock * int64_t(sizeof(float))));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { rows(xp, M, I, wp, b0, b1, yp, O); });
+  if (bias.has_value()) y.add_(*bias);
+  auto shape = x.sizes().vec();
+  shape.back() = O;
+  return y.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(thunder_batch, m) {
+  m.def("pack_linear_weight(Tensor w) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(thunder_batch, CPU, m) {
+  m.impl("pack_linear_weight", pack_linear_weight);
+  m.impl("packed_linear", packed_linear);
+}
