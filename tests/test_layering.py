@@ -15,7 +15,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "thunder_batch"
 # Lowest first. A module's layer is that of its longest listed prefix.
 LAYERS = [
     ("pure Python", ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]),
-    ("torch", ["_compat", "index_ops", "kv_cache", "model", "sampler", "program", "checkpoints", "gguf_convert"]),
+    (
+        "torch",
+        ["_compat", "index_ops", "kv_cache", "model", "sampler", "program", "checkpoints", "gguf_convert", "kernels"],
+    ),
     ("thunder", ["compile"]),
     ("runner", ["runner"]),
     ("engine", ["engine"]),
