@@ -6,12 +6,14 @@ import torch
 from litgpt import GPT, Config
 
 from thunder_batch.bench.parity import litgpt_greedy, random_weights
+from thunder_batch.program import StepProgram, run_step
 
 __all__ = [
     "BLOCK",
     "ENGINE_CONFIG",
     "FAMILY_CONFIGS",
     "VOCAB",
+    "every_row_hidden",
     "litgpt_greedy",
     "mixed_prompts",
     "tiny_config",
@@ -71,3 +73,15 @@ def mixed_prompts(n: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
 
 
 ENGINE_CONFIG = dict(batch_size=4, max_seq_length=64, prefill_chunk=8)
+
+
+def every_row_hidden(gpt, idx, input_pos, row_slot, key_pos, lane_len: int = 1) -> torch.Tensor:
+    """Final-norm hidden states of every row of one eager step, through the step program's prefix and
+    blocks (a GPT with slot caches attached): all N rows, where the head takes each slot's last -> [N, C]."""
+    program = StepProgram(gpt, lane_len)
+
+    def final_norm(x, *_):  # in place of the head
+        return gpt.transformer.ln_f(x)
+
+    sampling = [None] * 5  # last_row, temperature, top_k, top_p, seed: only the head reads them
+    return run_step(program.prefix, list(program.blocks), final_norm, idx, input_pos, row_slot, key_pos, *sampling)

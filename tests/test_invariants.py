@@ -9,10 +9,10 @@ from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile.step import execution_traces
 from thunder_batch.kv_cache import attach_slot_caches
-from thunder_batch.model import forward_hidden, visibility_masks
+from thunder_batch.model import visibility_masks
 from thunder_batch.program import StepProgram
 
-from helpers import ENGINE_CONFIG, litgpt_greedy, mixed_prompts, tiny_gpt
+from helpers import ENGINE_CONFIG, every_row_hidden, litgpt_greedy, mixed_prompts, tiny_gpt
 
 S, C = ENGINE_CONFIG["max_seq_length"], ENGINE_CONFIG["prefill_chunk"]
 
@@ -108,7 +108,7 @@ def _run_chunks(gpt, seqs, chunks, T):
             done[b] += n
         span = max(done)
         key_pos = torch.arange(-(-span // 8) * 8)
-        logits = gpt.lm_head(forward_hidden(gpt, x, pos, row_slot, key_pos, lane_len=T))  # [N, V]
+        logits = gpt.lm_head(every_row_hidden(gpt, x, pos, row_slot, key_pos, lane_len=T))  # [N, V]
         for b in range(B):
             outs[b].append(logits[list(rows[b])])
     return torch.stack([torch.cat(o) for o in outs])

@@ -12,7 +12,6 @@ _PUBLIC = {
     "SamplingParams": "thunder_batch.config",
     "GenerationResult": "thunder_batch.request",
     "StepOutput": "thunder_batch.request",
-    "batched_next_token": "thunder_batch.program",
     "batched_sample": "thunder_batch.sampler",
     "index_copy_rows": "thunder_batch.index_ops",
 }

@@ -134,11 +134,3 @@ def step_inputs(gpt, idx: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.
     if cfg.scale_embeddings:
         x = x * torch.tensor(cfg.n_embd**0.5, dtype=x.dtype)
     return x, cos, sin, mask_global, mask_window
-
-
-def forward_hidden(gpt, idx, input_pos, row_slot, key_pos, lane_len: int = 1) -> torch.Tensor:
-    """Final-norm hidden states of every row of one step (see the module docstring) -> [N, C]."""
-    x, cos, sin, *masks = step_inputs(gpt, idx, input_pos, key_pos)
-    for block in gpt.transformer.h:
-        x = block_forward(block, x, cos, sin, masks, input_pos, row_slot, lane_len)
-    return gpt.transformer.ln_f(x)

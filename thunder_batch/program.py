@@ -106,8 +106,3 @@ def run_step(prefix, blocks, head, idx, input_pos, row_slot, key_pos, last_row, 
     for block in blocks:
         x = block(x, cos, sin, mask_global, mask_window, input_pos, row_slot)
     return head(x, input_pos, last_row, temperature, top_k, top_p, seed)
-
-
-def batched_next_token(gpt, *step_args, lane_len: int = 1):
-    """One eager step of a GPT with slot caches attached (see `run_step` for the arguments)."""
-    return StepProgram(gpt, lane_len)(*step_args)
