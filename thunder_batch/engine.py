@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
 from thunder_batch.compile.step import program_stats
-from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, is_int
+from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, is_chat, is_int
 from thunder_batch.request import GenerationResult, Request, StepOutput
 from thunder_batch.runner import Runner
 from thunder_batch.scheduler import Scheduler
@@ -211,8 +211,3 @@ class Engine:
             running=self.scheduler.num_running(),
             waiting=len(self.scheduler.waiting),
         )
-
-
-def is_chat(prompt) -> bool:
-    """Chat input is a list of message dicts (a list of ints is token ids)."""
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
