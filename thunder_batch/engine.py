@@ -202,8 +202,9 @@ class Engine:
     def stats(self) -> dict:
         """Counters: steps, tokens, requests; `cache_misses` (step shapes made: one per shape in
         `step_shapes`, whatever the traffic), `programs` (per piece: prefix, block, head variants),
-        `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache), and
-        `compile_seconds` (per piece: `compile_seconds_by_piece`)."""
+        `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache),
+        `thunder_traces` (traces Thunder itself counts: a retrace shows here), and `compile_seconds`
+        (per piece: `compile_seconds_by_piece`)."""
         return dict(
             self._counters,
             **program_stats(self.runner.step_fn),
