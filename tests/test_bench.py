@@ -122,8 +122,12 @@ def test_eager_and_litgpt_baselines_end_to_end(tmp_path):
         # ignore_eos: every request produces exactly its limit
         assert m["output_tokens"] == 6 * workload["max_new_tokens_mean"] and m["requests"] == 6
         assert m["output_tokens_per_s"] > 0 and m["ttft_ms"]["n"] == 6 and m["ttft_ms"]["p99"] >= m["ttft_ms"]["p50"]
-        assert m.get("token_check", {"mismatched_requests": 0})["mismatched_requests"] == 0
-    assert result["token_reference"] == {"float32": "eager@B=1"} and runs[("eager", 1)]["token_reference"]
+    # Every run but the reference has its tokens checked, all requests, none off: no check is no pass.
+    assert result["token_reference"] == {"float32": "eager@B=1"}
+    assert [key for key, m in runs.items() if m.get("token_reference")] == [("eager", 1)]
+    for key, m in runs.items():
+        if key != ("eager", 1):
+            assert (m["token_check"]["checked_requests"], m["token_check"]["mismatched_requests"]) == (6, 0), key
     assert 0 < runs[("eager", 3)]["slot_occupancy"] <= 1 and runs[("eager", 1)]["slot_occupancy"] == 1
     assert runs[("eager", 3)]["decode"]["peak_matmul_fraction"] > 0
     assert "same-length prompts only" in runs[("litgpt-batched", 3)]["notes"][0]
@@ -230,12 +234,40 @@ def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
     # one shape: prefix, block and the three heads (filtered, unfiltered, greedy), traced then loaded
     assert thunder["compile"]["cold_s"] > 0 and thunder["compile"]["traced"] == 5
     assert thunder["compile"]["disk_cache_hits"] == 5 and thunder["compile"]["warm_s"] < thunder["compile"]["cold_s"]
-    assert thunder["recompiled"] is False and thunder["profile"]["top_ops"]
+    # The warm engine ran: it loaded every piece, and Thunder traced nothing before or during the run.
+    assert thunder["recompiled"] is False and thunder["engine_stats"]["thunder_traces"] == 0
+    assert thunder["profile"]["top_ops"]
     host = thunder["host"]  # input building plus everything outside the step: a share of the wall time
     assert host["inputs_s"] > 0 and host["outside_steps_s"] > 0 and 0 < host["share"] < 1
     assert "speedup" in thunder and "vs_eager" in thunder["speedup"]
     if "thunder-nvfuser" in result["skipped"]:
         assert "unavailable" in result["skipped"]["thunder-nvfuser"]
+
+
+def test_a_run_that_traces_is_reported_as_recompiled(monkeypatch, tmp_path):
+    """Engines left uncompiled before the timed run: Thunder's own trace count says it traced there."""
+    from thunder_batch.bench import engine_runs
+
+    def uncompiled(gpt, system, batch_size, ctx):
+        config = engine_runs.engine_config(system, batch_size, ctx, str(tmp_path))
+        return engine_runs.build_engine(gpt, config, ctx), {}, []
+
+    monkeypatch.setattr(engine_runs, "compile_engine", uncompiled)
+    result = bench.run_benchmark(
+        tiny_gpt("llama", n_layer=1),
+        num_requests=2,
+        max_new_tokens=2,
+        batch_size="2",
+        prefill_chunk=1,
+        systems="eager,thunder-torch",
+        **QUICK,
+    )
+    runs = {m["system"]: m for m in result["runs"]}
+    assert runs["eager"]["recompiled"] is False
+    thunder = runs["thunder-torch"]
+    assert thunder["recompiled"] is True and thunder["token_check"]["mismatched_requests"] == 0
+    # prefix, block and the greedy head (only greedy requests): each traced once, by the run itself
+    assert thunder["engine_stats"]["thunder_traces"] == thunder["engine_stats"]["traced"] == 3
 
 
 def test_system_restrictions_pick_precisions_and_batch_sizes():

@@ -30,11 +30,14 @@ from thunder_batch.compile.cache import (
     CompileCacheWarning,
     EntryStore,
     canonical_json,
+    make_key,
     read_entry,
     resolve_root,
     sha256,
 )
+from thunder_batch.compile.executors import fusion_regions
 from thunder_batch.compile.pieces import piece_from_record
+from thunder_batch.compile.step import describe_options, execution_traces
 from thunder_batch.compile.trace_export import NotExportable, ctx_recipe
 from thunder_batch.config import StepShape
 from thunder_batch.scheduler import StepPlan
@@ -190,7 +193,6 @@ def test_every_key_field_changes_the_digest(traced):
         "max_seq_length",
         "prefill_chunk",
         "executors",
-        "cuda_graphs",
         "model",
         "dtype",
         "versions",
@@ -210,10 +212,6 @@ def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monke
         assert key_of(engine, StepShape(2, 16)) not in (base, key_of(engine))
     elif change == "executors":
         engine = make_engine(tmp_path, executors=("torch", "python"))
-    elif change == "cuda_graphs":  # compile options go in as data; a CUDA graph transform needs no GPU to name
-        engine = make_engine(tmp_path)
-        options = (base.executors, {"transforms": ["CUDAGraphTransform"]})
-        monkeypatch.setattr(engine.runner.step_fn, "_describe_options", lambda: options)
     elif change == "model":
         engine = make_engine(tmp_path, n_layer=2)
     elif change == "dtype":
@@ -226,6 +224,35 @@ def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monke
         engine = make_engine(tmp_path)
         monkeypatch.setattr(cc, "program_source_hash", lambda: sha256("edited sampler"))
     assert key_of(engine) != base
+
+
+def test_key_follows_cuda_graphs(traced):
+    """The key's fields are make_key's of the config's options as describe_options gives them, the
+    path the layered program takes; cuda_graphs=True changes them (naming the CUDA graph transform
+    needs no GPU). CUDA graphs need the whole-step trace, which never uses the cache: see below."""
+    engine = traced["engine"]  # it made its key on first use
+    layered, config = engine.runner.step_fn, engine.config
+    assert layered._base_key == make_key(layered.program, config, *describe_options(config))
+    graphs = dataclasses.replace(config, cuda_graphs=True, trace="step")
+    assert make_key(layered.program, graphs, *describe_options(graphs)).digest() != layered._base_key.digest()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda_graphs=True needs a CUDA device; there is none here")
+def test_a_cuda_graphs_engine_gives_eager_tokens_and_stores_nothing(tmp_path):
+    """A real engine with cuda_graphs=True: the eager engine's greedy tokens, a step captured as a CUDA
+    graph, and no compile cache entry (in memory only), so no program traced without graphs can be
+    loaded into it, nor one of its into another engine."""
+    config = EngineConfig(**CONFIG, cuda_graphs=True, trace="step", cache_dir=str(tmp_path))
+    engine = Engine(tiny_gpt("llama", n_layer=1).cuda(), config)
+    eager = Engine(tiny_gpt("llama", n_layer=1).cuda(), EngineConfig(**CONFIG, compile="eager"))
+    greedy = SamplingParams(max_new_tokens=4)
+    assert [r.token_ids for r in engine.generate(PROMPTS, greedy)] == [
+        r.token_ids for r in eager.generate(PROMPTS, greedy)
+    ]
+    (trace,) = execution_traces(engine.runner.step_fn)
+    assert any(name.startswith("CUDAGraph") for name in fusion_regions(trace))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_root_resolution(monkeypatch):

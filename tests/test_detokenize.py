@@ -99,7 +99,6 @@ def stream(tokenizer, ids, prompt_ids=()):
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
     deltas = [detok.push(i) for i in ids]
     tail = detok.flush()
-    assert detok.text() == "".join(deltas) + tail
     return deltas, tail
 
 

@@ -29,14 +29,24 @@ def test_finished_slot_takes_next_waiting_request_at_next_step():
 
 
 def test_decoding_slots_advance_every_step_while_another_prefills():
+    """While a 29-token prompt is read in chunks of 8 (4 steps), the decoding request gets its next
+    token on every step, and every token of both is litgpt's generate_fn's for that prompt alone."""
     engine = engine_for()
     decoding = engine.add_request([3, 4], SamplingParams(max_new_tokens=10))
-    engine.step()
-    engine.add_request(list(range(1, 30)), SamplingParams(max_new_tokens=2))  # 29 tokens: 4 chunks of 8
-    for _ in range(4):
-        outputs = {o.request_id: o for o in engine.step()}
-        assert len(outputs[decoding].token_ids) == 1
-    assert engine.runner.config.prefill_chunk == 8
+    tokens = {decoding: [t for o in engine.step() for t in o.token_ids]}
+    prompt = list(range(1, 30))
+    prefilling = engine.add_request(prompt, SamplingParams(max_new_tokens=2))
+    tokens[prefilling] = []
+    for step in range(4):
+        outputs = {o.request_id: o.token_ids for o in engine.step()}
+        assert len(outputs[decoding]) == 1 and (prefilling in outputs) == (step == 3)  # its last chunk samples
+        for request_id, ids in outputs.items():
+            tokens[request_id] += ids
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id] += o.token_ids
+    oracle = tiny_gpt("llama")
+    assert tokens == {decoding: litgpt_greedy(oracle, [3, 4], 10), prefilling: litgpt_greedy(oracle, prompt, 2)}
 
 
 def test_more_prompts_than_slots_all_match_litgpt():

@@ -60,6 +60,7 @@ def test_uniform_layers_share_one_block_trace(tmp_path):
     assert engine.runner.step_fn.traced["block"] == 3
     assert engine.runner.step_fn.traced["block (same as an earlier layer)"] == 1
     assert engine.runner.step_fn.ignored == {BLOCK_IDX}
+    assert stats["thunder_traces"] == 3 + 3 + 1 + 9  # Thunder's own count agrees: each piece traced once
 
 
 @pytest.mark.regression
@@ -108,7 +109,7 @@ def test_stored_layout_is_used_only_where_its_checks_pass(tmp_path):
     want = run(cold)
     warm = engine_for(tiny_gpt("llama", n_layer=4), tmp_path)
     assert run(warm) == want
-    assert (warm.stats()["traced"], warm.stats()["disk_cache_hits"]) == (0, 15)
+    assert (warm.stats()["traced"], warm.stats()["disk_cache_hits"], warm.stats()["thunder_traces"]) == (0, 15, 0)
 
     def changed():
         gpt = tiny_gpt("llama", n_layer=4)
@@ -122,3 +123,4 @@ def test_stored_layout_is_used_only_where_its_checks_pass(tmp_path):
     assert outputs == run(Engine(changed(), EngineConfig(compile="eager", **CONFIG)))
     assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 0, 1]] * 3
     assert engine.runner.step_fn.traced == {"block": 3}  # layer 3 at each shape; everything else loaded
+    assert engine.stats()["thunder_traces"] == 3

@@ -113,33 +113,41 @@ def test_wide_steps_open_only_the_lanes_prompts_fill():
     st.lists(st.tuples(st.integers(0, 6), st.integers(1, 20), st.integers(1, 5), st.booleans()), max_size=12),
 )
 def test_random_traffic_plans(num_slots, chunk, lane_counts, arrivals):
-    """Random arrival steps, prompt and output lengths, aborts: every plan feeds each request's tokens in
-    order from its cached count, decoding slots every step, lanes to the oldest prompts, as many as
-    the largest lane count they fill, one slot each; every request ends."""
+    """Random arrival steps, prompt and output lengths, aborts: admission is FIFO into free slots,
+    every plan keeps the promises `_check_plan` lists, and every request is fed its prompt then its
+    outputs, each token once, in order, until it ends."""
     lanes = tuple(sorted(c for c in lane_counts if c <= num_slots))
     s = Scheduler(num_slots, chunk, lanes)
     pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])  # (id, (arrival step, prompt, new, aborted))
-    fed, admitted_order = {}, []
+    age: dict = {}  # request id -> arrival order
+    fed: dict = {}  # request id -> tokens fed so far, in order
+    admitted, left_waiting = set(), set()
     for step in range(400):
         while pending and pending[0][1][0] <= step:
             rid, (_, n_prompt, n_new, aborted) = pending.pop(0)
+            age[rid] = len(age)
             s.add(request(rid, n_prompt, max_new_tokens=n_new))
         if step % 7 == 3:  # abort the newest request that asked for it, wherever it is
             victims = [r for r in [*s.waiting, *s.slots] if r is not None and arrivals[r.request_id][3]]
             if victims:
                 s.remove(victims[-1])
+                if victims[-1].request_id not in admitted:
+                    left_waiting.add(victims[-1].request_id)
         plan = s.schedule()
+        admitted |= {r.request_id for r in s.slots if r is not None}
+        _check_admission(s, age, admitted, left_waiting)
         if plan is None:
             if not pending:
                 break
             continue
-        _check_plan(s, plan, chunk, lanes, admitted_order)
+        _check_plan(s, plan, chunk, lanes, age, fed)
         for w in plan.work:
             fed.setdefault(w.request.request_id, []).extend(w.token_ids)
             w.request.num_cached += len(w.token_ids)
             if w.samples and w.request.append(100 + len(w.request.output_ids), 0.0).finished:
                 s.remove(w.request)
     assert not s.has_unfinished() and not pending
+    assert set(fed) <= admitted and all(rid in fed for rid in age if not arrivals[rid][3])
     for rid, tokens in fed.items():
         n_prompt, n_new = arrivals[rid][1], arrivals[rid][2]
         want = list(range(1, n_prompt + 1)) + [100 + i for i in range(n_new - 1)]
@@ -147,29 +155,51 @@ def test_random_traffic_plans(num_slots, chunk, lane_counts, arrivals):
         assert arrivals[rid][3] or tokens == want  # only an aborted request stops early
 
 
-def _check_plan(s: Scheduler, plan: StepPlan, chunk: int, lanes: tuple[int, ...], admitted_order: list) -> None:
-    for r in s.slots:
-        if r is not None and r.request_id not in admitted_order:
-            admitted_order.append(r.request_id)
-    slots = [w.slot for w in plan.work]
-    assert len(slots) == len(set(slots))
-    in_lanes = [w for w in plan.work if w.lane is not None]
-    assert sorted(w.lane for w in in_lanes) == list(range(len(in_lanes)))
+def _check_admission(s: Scheduler, age: dict, admitted: set, left_waiting: set) -> None:
+    """FIFO into free slots: a request waits only while every slot is taken, and no request is
+    admitted while one that arrived before it still waits."""
+    waiting = [rid for rid in sorted(age, key=age.get) if rid not in admitted and rid not in left_waiting]
+    if waiting:
+        assert all(r is not None for r in s.slots)
+        assert all(age[rid] < age[waiting[0]] for rid in admitted)
+
+
+def _check_plan(s: Scheduler, plan: StepPlan, chunk: int, lanes: tuple[int, ...], age: dict, fed: dict) -> None:
+    """What the scheduler promises of one plan, as properties (the lane policy is not re-derived):
+    - each slot at most once, with the request it holds, fed from where that request stopped (no
+      token read twice or skipped); `samples` exactly when the feed reaches the end of what is known;
+    - decode rows carry one token; every slot with one token left has its decode row (decode never
+      pauses), and with lanes no other slot uses one;
+    - lanes are numbered 0..k-1, each feeds real prompt tokens: the next chunk, or the rest of the prompt;
+    - k is one of the lane counts (or every waiting prompt, when fewer wait than the smallest count),
+      never more than the prompts waiting for a lane, and no wider count they would fill is left unused;
+    - the lanes go to the oldest prompts (in arrival order: admission is FIFO).
+    """
+    assert len({w.slot for w in plan.work}) == len({w.request.request_id for w in plan.work}) == len(plan.work)
+    left = {}  # request id -> tokens known but not yet fed
+    for r in (r for r in s.slots if r is not None):
+        left[r.request_id] = len(r.prompt_ids) + len(r.output_ids) - len(fed.get(r.request_id, ()))
     for w in plan.work:
-        assert w.start_pos == w.request.num_cached and 1 <= len(w.token_ids) <= (chunk if w.lane is not None else 1)
-    running = [r for r in s.slots if r is not None]
-    decoding = [r for r in running if len(r.pending_ids()) == 1]
-    assert {w.request.request_id for w in plan.work if w.lane is None} >= {r.request_id for r in decoding}
-    prefilling = sorted(
-        (r for r in running if len(r.pending_ids()) > 1), key=lambda r: admitted_order.index(r.request_id)
-    )
+        r = w.request
+        known = r.prompt_ids + r.output_ids
+        assert s.slots[w.slot] is r and w.start_pos == len(fed.get(r.request_id, ()))
+        assert w.token_ids and w.token_ids == known[w.start_pos : w.start_pos + len(w.token_ids)]
+        assert w.samples == (len(w.token_ids) == left[r.request_id])
+    decode = [w for w in plan.work if w.lane is None]
+    assert all(len(w.token_ids) == 1 for w in decode)
+    assert {w.request.request_id for w in decode} == {rid for rid, n in left.items() if n == 1 or not lanes}
+    in_lanes = sorted((w for w in plan.work if w.lane is not None), key=lambda w: w.lane)
+    k = len(in_lanes)
+    assert [w.lane for w in in_lanes] == list(range(k))
+    for w in in_lanes:
+        assert w.start_pos + len(w.token_ids) <= len(w.request.prompt_ids)
+        assert len(w.token_ids) == min(chunk, left[w.request.request_id])
+    waiting_for_lane = sorted((rid for rid, n in left.items() if n > 1 and lanes), key=age.get)
     if lanes:
-        opened = max([c for c in lanes if c <= len(prefilling)] or [lanes[0]])
-        assert [w.request.request_id for w in sorted(in_lanes, key=lambda w: w.lane)] == [
-            r.request_id for r in prefilling[:opened]
-        ]
-    else:
-        assert not in_lanes
+        assert k <= len(waiting_for_lane) and (k > 0) == bool(waiting_for_lane)
+        assert k in lanes or k == len(waiting_for_lane) < lanes[0]
+        assert not [c for c in lanes if k < c <= len(waiting_for_lane)]
+    assert {w.request.request_id for w in in_lanes} == set(waiting_for_lane[:k])
 
 
 def test_token_stop_is_held_back_until_decided():

@@ -1,66 +1,99 @@
-"""The tracing shortcuts change how long Thunder takes, never what it produces."""
+"""The tracing shortcuts change how long Thunder takes, never what it produces: every piece the layered
+program traces in production (prefix, blocks, heads, at each step shape) is the same program with
+and without them."""
 
 from __future__ import annotations
 
-import copy
+import re
 
 import pytest
 import torch
 
+from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import trace_speedups
-from thunder_batch.compile.step import compile_options, compile_program
-from thunder_batch.config import EngineConfig
-from thunder_batch.runner import Runner
-from thunder_batch.scheduler import StepPlan
 
-from helpers import tiny_gpt
+from helpers import VOCAB, mixed_prompts, tiny_gpt
 
-CONFIG = EngineConfig(batch_size=2, max_seq_length=16, prefill_chunk=1)
+CONFIG = dict(batch_size=2, max_seq_length=16, prefill_chunk=4)  # two step shapes: decode only, and 2 lanes of 4
+TIMING = re.compile(r" \(took \d+ milliseconds\)")  # the one line of a trace that differs run to run
 
 
-def trace_step(gpt, fast: bool):
-    """(outputs of one real step, computation trace, prologue source without its timing line)."""
-    thunder = import_thunder()
-    runner = Runner(gpt, EngineConfig(batch_size=2, max_seq_length=16, prefill_chunk=1, compile="eager"))
-    args = runner.inputs_for(StepPlan([])).as_args()
-    args[0][:], args[1][:] = torch.tensor([7, 9]), torch.tensor([0, 2])  # two decode rows, real tokens
+@pytest.fixture
+def shortcuts(monkeypatch):
+    """switch(on): trace with the shortcuts or, as THUNDER_BATCH_FAST_TRACE=0 asks, without them;
+    left as found after the test."""
+    was_on = bool(trace_speedups._installed)
+
+    def switch(on: bool) -> None:
+        trace_speedups.uninstall()
+        monkeypatch.setenv("THUNDER_BATCH_FAST_TRACE", "1" if on else "0")
+
+    yield switch
     trace_speedups.uninstall()
-    try:
-        if fast:
-            jitted = compile_program(runner.program, CONFIG)
-        else:
-            jitted = thunder.jit(runner.program, **compile_options(CONFIG))
-        assert trace_speedups._installed if fast else not trace_speedups._installed
-        with torch.no_grad():
-            out = jitted(*args)
-    finally:
+    monkeypatch.undo()
+    if was_on:
         trace_speedups.install()
-    prologue = thunder.last_prologue_traces(jitted)[-1].python().split("\n", 1)[1]
-    return out, thunder.last_traces(jitted)[-1], prologue
 
 
-def ops(trace) -> list[str]:
-    # Thunder orders the operands of update_aliases by a set: the op sequence is what is stable.
-    return [b.sym.name for b in trace.bound_symbols]
+def traced_engine(gpt, cache_dir) -> Engine:
+    """A Thunder engine (layered program) with every piece traced up front into its own compile cache."""
+    engine = Engine(gpt, EngineConfig(**CONFIG, cache_dir=str(cache_dir)))
+    engine.warmup()
+    return engine
+
+
+def thunder_traces(engine: Engine) -> list[tuple[str, str]]:
+    """(final execution trace, prologue) as Python, of every function Thunder jitted, in order."""
+    thunder = import_thunder()
+    jitted = engine.runner.step_fn.jitted
+    return [
+        (
+            TIMING.sub("", thunder.last_traces(j)[-1].python()),
+            TIMING.sub("", thunder.last_prologue_traces(j)[-1].python()),
+        )
+        for j in jitted
+    ]
+
+
+def outputs(engine: Engine) -> list:
+    """Greedy and sampled requests (both kinds of head); tokens and logprobs, bit for bit."""
+    params = [SamplingParams(max_new_tokens=4, temperature=t, seed=3) for t in (0.0, 0.8, 0.0)]
+    results = engine.generate(mixed_prompts(3, [1, 6, 3]), params)
+    return [(r.token_ids, [float(x).hex() for x in r.logprobs]) for r in results]
 
 
 @pytest.mark.regression
-def test_same_trace_and_outputs_with_and_without_speedups():
-    gpt = tiny_gpt("llama", n_layer=1)
-    fast_out, fast_trace, fast_prologue = trace_step(copy.deepcopy(gpt), fast=True)
-    slow_out, slow_trace, slow_prologue = trace_step(copy.deepcopy(gpt), fast=False)
-    assert all(torch.equal(a, b) for a, b in zip(fast_out, slow_out))
-    assert ops(fast_trace) == ops(slow_trace)
-    assert fast_prologue == slow_prologue  # same guards on the same inputs (provenance intact)
+def test_layered_pieces_trace_the_same_with_and_without_the_shortcuts(shortcuts, tmp_path):
+    runs = {}
+    for on in (True, False):
+        shortcuts(on)
+        engine = traced_engine(tiny_gpt("llama"), tmp_path / f"shortcuts_{on}")
+        assert bool(trace_speedups._installed) == on
+        assert engine.stats()["programs"] == {
+            "prefix": 2,
+            "block": 2,
+            "head": 2,
+            "head-unfiltered": 2,
+            "head-greedy": 2,
+        }
+        runs[on] = thunder_traces(engine), outputs(engine)
+    (fast, fast_outputs), (slow, slow_outputs) = runs[True], runs[False]
+    assert len(fast) == 11  # at each shape: prefix, block (twice: layer 1 found the same program), 3 heads
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert a[0] == b[0], f"execution trace {i} differs"
+        assert a[1] == b[1], f"prologue {i} differs (guards or provenance)"
+    assert fast_outputs == slow_outputs
 
 
 @pytest.mark.regression
-def test_module_hooks_still_run_under_the_shortcut():
+def test_module_hooks_still_run_under_the_shortcut(shortcuts, tmp_path):
+    shortcuts(True)
     gpt = tiny_gpt("llama", n_layer=1)
     gpt.lm_head.register_forward_hook(lambda module, inputs, output: output * 0 + torch.arange(output.shape[-1]))
-    out, _, _ = trace_step(gpt, fast=True)
-    assert out[0].tolist() == [gpt.config.padded_vocab_size - 1] * 2  # the hook's logits decided the token
+    results = traced_engine(gpt, tmp_path).generate([[7], [9]], SamplingParams(max_new_tokens=2))
+    assert trace_speedups._installed
+    assert [r.token_ids for r in results] == [[VOCAB - 1] * 2] * 2  # the hook's logits decided the tokens
 
 
 def test_pinned_sources_match_this_install():

@@ -38,6 +38,11 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_chat(prompt) -> bool:
+    """A prompt of chat messages: a list of message dicts (a list of ints is token ids)."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+
+
 def _as_tuple(value):
     """Lists (from JSON or a CLI) as tuples, so the config stays hashable; anything else as it is."""
     return tuple(value) if isinstance(value, list) else value

@@ -76,7 +76,6 @@ class IncrementalDetokenizer:
         self._pending: list[int] = []  # ids pushed whose text is not emitted yet
         self._prefix: str | None = None  # decode(self._context), computed when needed
         self._stream = DecodeStream(self._context, skip_special_tokens=True) if self._hf else None
-        self._parts: list[str] = []
 
     def push(self, token_id: int) -> str:
         """Feed one generated token id; return the new text (possibly "")."""
@@ -105,12 +104,6 @@ class IncrementalDetokenizer:
             self._stream = DecodeStream(self._context, skip_special_tokens=True)
         return delta
 
-    def text(self) -> str:
-        """All text emitted so far."""
-        if len(self._parts) > 1:
-            self._parts = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
-
     def _window_step(self) -> str | None:
         full = self._decode(self._context + self._pending)
         # Not longer: only skipped special tokens so far; U+FFFD at the end: a character is cut.
@@ -125,7 +118,6 @@ class IncrementalDetokenizer:
         return self._decode(self._pending)  # the context's text changed: see the class docstring
 
     def _emitted(self, delta: str) -> None:
-        self._parts.append(delta)
         self._context, self._pending, self._prefix = self._pending, [], None
 
     def _prefix_text(self) -> str:

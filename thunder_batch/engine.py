@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
 from thunder_batch.compile.step import program_stats
-from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, is_int
+from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, is_chat, is_int
 from thunder_batch.request import GenerationResult, Request, StepOutput
 from thunder_batch.runner import Runner
 from thunder_batch.scheduler import Scheduler
@@ -202,8 +202,9 @@ class Engine:
     def stats(self) -> dict:
         """Counters: steps, tokens, requests; `cache_misses` (step shapes made: one per shape in
         `step_shapes`, whatever the traffic), `programs` (per piece: prefix, block, head variants),
-        `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache), and
-        `compile_seconds` (per piece: `compile_seconds_by_piece`)."""
+        `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache),
+        `thunder_traces` (traces Thunder itself counts: a retrace shows here), and `compile_seconds`
+        (per piece: `compile_seconds_by_piece`)."""
         return dict(
             self._counters,
             **program_stats(self.runner.step_fn),
@@ -211,8 +212,3 @@ class Engine:
             running=self.scheduler.num_running(),
             waiting=len(self.scheduler.waiting),
         )
-
-
-def is_chat(prompt) -> bool:
-    """Chat input is a list of message dicts (a list of ints is token ids)."""
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)

@@ -107,10 +107,6 @@ class StopSequenceMatcher:
             node = self._fail[node]
         return self._goto[node].get(tok, 0)
 
-    @property
-    def max_len(self) -> int:
-        return max((len(s) for s in self.sequences), default=0)
-
     def new_state(self) -> StopState:
         return StopState(self)
 
@@ -154,16 +150,14 @@ class StopStringHolder:
         self._max_hold = max((len(s) - 1 for s in self.stops), default=0)
         self._held = ""
         self.stopped = False
-        self.matched: str | None = None  # the stop string that ended the text, if any
 
     def push(self, delta: str) -> tuple[str, bool]:
         """(text to emit now, stopped). After a stop every push returns ("", True)."""
         if self.stopped:
             return "", True
         buf = self._held + delta
-        hit = self._first_stop(buf)
-        if hit is not None:
-            start, self.matched = hit
+        start = self._first_stop(buf)
+        if start is not None:
             self._held, self.stopped = "", True
             return buf[:start], True
         hold = self._hold_len(buf)
@@ -175,14 +169,15 @@ class StopStringHolder:
         out, self._held = self._held, ""
         return out
 
-    def _first_stop(self, buf: str) -> tuple[int, str] | None:
+    def _first_stop(self, buf: str) -> int | None:
+        """Where in buf the stop that ends first starts (the longest among those ending together)."""
         # Earlier pushes found no complete stop, so any stop in buf ends inside the new delta.
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        best: tuple[int, int] | None = None  # (end, start)
         for s in self.stops:
             i = buf.find(s)
-            if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
-                best = (i + len(s), i, s)
-        return None if best is None else (best[1], best[2])
+            if i >= 0 and (best is None or (i + len(s), i) < best):
+                best = (i + len(s), i)
+        return None if best is None else best[1]
 
     def _hold_len(self, buf: str) -> int:
         for k in range(min(len(buf), self._max_hold), 0, -1):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from thunder_batch._compat import import_thunder
 from thunder_batch.compile.cache import EntryStore, make_key, piece_key, warn
 from thunder_batch.compile.kernels import EXECUTOR, KernelsMode
 from thunder_batch.compile.pieces import SharedTraces, TracedPiece, piece_from_record, trace_piece
@@ -62,6 +63,7 @@ class LayeredProgram:
         self.traced: Counter = Counter()  # piece kind -> programs traced in this process
         self.loaded: Counter = Counter()  # piece kind -> programs loaded from the compile cache
         self.pieces: list[TracedPiece] = []  # every distinct program made, in order
+        self.jitted: list = []  # every function Thunder jitted here, duplicate block traces included
         self.calls = 0
         self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
         claims_kernels = any(getattr(ex, "name", None) == EXECUTOR for ex in options.get("executors", ()))
@@ -161,6 +163,8 @@ class LayeredProgram:
             self.seconds[kind] += time.perf_counter() - start
 
     def _count(self, new: bool, kind: str, piece: TracedPiece, traced: bool) -> None:
+        if traced:
+            self.jitted.append(piece.jitted)
         if new:
             (self.traced if traced else self.loaded)[kind] += 1
             self.pieces.append(piece)
@@ -222,7 +226,9 @@ class LayeredProgram:
 
     # -- inspection ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        """cache_misses counts step shapes made: one per (rows, attention length), whatever the traffic."""
+        """cache_misses counts step shapes made: one per (rows, attention length), whatever the traffic;
+        thunder_traces the traces Thunder itself made (its cache_misses of every function jitted here)."""
+        thunder = import_thunder()
         programs = Counter()
         for counter in (self.traced, self.loaded):
             for kind, n in counter.items():
@@ -233,6 +239,7 @@ class LayeredProgram:
             cache_hits=max(self.calls - len(self._shapes), 0),
             programs=dict(programs),
             traced=sum(self.traced.values()),
+            thunder_traces=sum(thunder.cache_misses(jitted) for jitted in self.jitted),
             not_stored=sum(piece.record is None for piece in self.pieces if piece.jitted is not None),
             disk_cache_hits=sum(self.loaded.values()),
             compile_seconds=sum(self.seconds.values()),

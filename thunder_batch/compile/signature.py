@@ -17,6 +17,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from thunder_batch.compile.cache import canonical_json
+from thunder_batch.compile.trace_export import module_tensor
+
 Path = tuple[tuple[str, object], ...]  # steps from the module: ("submodule", "block.attn"), ("attr", "eps"), ...
 Check = tuple[Path, object]  # (where, the value the trace was made for)
 
@@ -75,41 +78,34 @@ def value_at(module: nn.Module, path: Path):
             elif kind == "item":
                 obj = obj[key]
             else:  # "tensor": a parameter or buffer by qualified name
-                obj = _tensor(obj, key)
+                obj = module_tensor(obj, key)
                 return tensor_checks(obj.shape, obj.device, obj.dtype, obj.requires_grad)
     except (AttributeError, KeyError, IndexError, TypeError):
         return _MISSING
     return plain(obj)
 
 
-def _tensor(module: nn.Module, name: str) -> torch.Tensor:
-    try:
-        return module.get_parameter(name)
-    except AttributeError:
-        return module.get_buffer(name)
-
-
 def mismatches(checks: Iterable[Check], module: nn.Module) -> set[Path]:
     """Paths whose value on `module` is not what the trace was made for."""
-    return {path for path, value in checks if _json(value_at(module, path)) != _json(value)}
+    return {path for path, value in checks if canonical_json(value_at(module, path)) != canonical_json(value)}
 
 
 def differing_paths(a: Sequence[Check], b: Sequence[Check]) -> set[Path] | None:
     """Paths where two traces' checks disagree; None if they check different things."""
     if [path for path, _ in a] != [path for path, _ in b]:
         return None
-    return {path for (path, x), (_, y) in zip(a, b) if _json(x) != _json(y)}
+    return {path for (path, x), (_, y) in zip(a, b) if canonical_json(x) != canonical_json(y)}
 
 
 def digest(checks: Iterable[Check], ignored: Iterable[Path] = ()) -> str:
     """Stable hash of the checks, leaving out `ignored` paths (values that never change a trace)."""
-    ignored = {_json(p) for p in ignored}
-    kept = [[path, value] for path, value in checks if _json(path) not in ignored]
-    return hashlib.sha256(_json(kept).encode()).hexdigest()[:32]
+    ignored = {canonical_json(p) for p in ignored}
+    kept = [[path, value] for path, value in checks if canonical_json(path) not in ignored]
+    return hashlib.sha256(canonical_json(kept).encode()).hexdigest()[:32]
 
 
 def to_json(checks: Iterable[Check]) -> list:
-    return json.loads(_json([[path, value] for path, value in checks]))
+    return json.loads(canonical_json([[path, value] for path, value in checks]))
 
 
 def from_json(data: Iterable) -> list[Check]:
@@ -117,12 +113,8 @@ def from_json(data: Iterable) -> list[Check]:
 
 
 def paths_to_json(paths: Iterable[Path]) -> list:
-    return sorted(json.loads(_json(list(paths))), key=_json)
+    return sorted(json.loads(canonical_json(list(paths))), key=canonical_json)
 
 
 def paths_from_json(data: Iterable) -> set[Path]:
     return {tuple(tuple(step) for step in path) for path in data}
-
-
-def _json(value) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)

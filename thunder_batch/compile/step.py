@@ -100,7 +100,8 @@ def is_compiled(fn: Callable) -> bool:
 def program_stats(fn: Callable) -> dict:
     """Counters of the step program: step shapes made (`cache_misses`), calls that reused one
     (`cache_hits`), programs made per piece (`programs`), how many were traced and how many loaded
-    from the compile cache, and the seconds spent making them."""
+    from the compile cache, the traces Thunder itself counts (`thunder_traces`: a retrace shows
+    here even where the other counters would miss it), and the seconds spent making them."""
     from thunder_batch.compile.layered import LayeredProgram
 
     if isinstance(fn, LayeredProgram):
@@ -110,6 +111,7 @@ def program_stats(fn: Callable) -> dict:
         cache_hits=0,
         programs={},
         traced=0,
+        thunder_traces=0,
         not_stored=0,
         disk_cache_hits=0,
         compile_seconds=0.0,
@@ -123,6 +125,7 @@ def program_stats(fn: Callable) -> dict:
             cache_hits=thunder.cache_hits(fn),
             programs={"step": misses},
             traced=misses,
+            thunder_traces=misses,
             not_stored=misses,
         )
     return stats

@@ -210,13 +210,18 @@ def _resolve_binding(binding: Sequence, module: nn.Module):
     if binding[0] == "arg":
         return int(binding[1])
     _, name, meta = binding
-    try:
-        tensor = module.get_parameter(name)
-    except AttributeError:
-        tensor = module.get_buffer(name)
+    tensor = module_tensor(module, name)
     if tensor_meta(tensor) != list(meta):
         raise ValueError(f"{name} is {tensor_meta(tensor)}, the stored program expects {meta}")
     return tensor
+
+
+def module_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer of `module` with this qualified name."""
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return module.get_buffer(name)
 
 
 def written_names(record: dict) -> list[str]:

@@ -23,7 +23,7 @@ from fastapi import Request
 from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop
 from litserve.utils import LitAPIStatus, LoopResponseType
 
-from thunder_batch.config import ContextLengthError
+from thunder_batch.config import ContextLengthError, is_chat
 from thunder_batch.serve.auth import check_api_key
 from thunder_batch.serve.openai import APIError
 
@@ -141,7 +141,7 @@ class EngineAPI(ls.LitAPI):
 
 
 def _prompt_param(prompt) -> str:
-    return "messages" if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) else "prompt"
+    return "messages" if is_chat(prompt) else "prompt"
 
 
 def _context_error(e: ContextLengthError, prompt) -> APIError:
