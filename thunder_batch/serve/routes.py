@@ -91,7 +91,8 @@ class OpenAIRoutes(LitSpec):
     async def stats(self) -> Response:
         """Every worker's engine counters (slots, queue, steps, tokens, compiles), summed, and each worker's own."""
         workers = [dict(self.state.published(w.index), **vars(w)) for w in self.state.all_workers()]
-        return JSONResponse(dict(sum_stats(workers), in_flight=self.state.in_flight(), workers=workers))
+        in_flight, cancels = self.state.in_flight(), self.board.pending()
+        return JSONResponse(dict(sum_stats(workers), in_flight=in_flight, cancels_pending=cancels, workers=workers))
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, CHAT)
