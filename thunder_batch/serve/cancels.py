@@ -69,7 +69,12 @@ class CancelBoard:
     def claim(self, uids) -> list[str]:
         """Those of `uids` that are posted: claimed (the entry is freed) and returned."""
         posted = self.posted()
-        hits = [uid for uid in uids if uid in posted]
+        if not posted:
+            return []
+        if isinstance(uids, (dict, set, frozenset)) and len(uids) > len(posted):
+            hits = [uid for uid in posted if uid in uids]
+        else:
+            hits = [uid for uid in uids if uid in posted]
         for uid in hits:
             self._state[posted.pop(uid)] = CLAIMED
         return hits
