@@ -85,11 +85,31 @@ class Server:
         return httpx.post(self.url + path, content=content, headers=headers, timeout=timeout)
 
     def stats(self) -> dict:
+        """Every worker's counters, summed (`workers`: each worker's own), and the requests in flight."""
         return httpx.get(self.url + "/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=120).json()
 
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).text
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.url + "/health", timeout=30)
+
     def wait_all_free(self, timeout: float = 60) -> dict:
+        """Wait until no slot, engine queue entry or request in flight is left on any worker."""
         deadline = time.monotonic() + timeout
-        while (stats := self.stats())["running"] or stats["waiting"] or stats["in_flight"]:
+        while (stats := self.stats())["running"] or stats["waiting"] or stats["in_flight"] or stats.get("requests"):
             assert time.monotonic() < deadline, stats
             time.sleep(0.5)
         return stats
+
+    def wait_healthy(self, timeout: float = 120) -> float:
+        """Seconds until /health answers 200 again."""
+        start = time.monotonic()
+        while self.health().status_code != 200:
+            assert time.monotonic() - start < timeout, self.health().text
+            time.sleep(0.2)
+        return time.monotonic() - start
+
+    def family(self) -> list[psutil.Process]:
+        main = psutil.Process(self.proc.pid)
+        return [main, *main.children(recursive=True)]

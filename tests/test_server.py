@@ -5,6 +5,7 @@ official `openai` client and checked against the engine's offline greedy results
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import psutil
 import pytest
 
 from thunder_batch.config import SamplingParams
-from thunder_batch.serve.openai import CHAT, COMPLETION, APIError, parse_request
+from thunder_batch.serve.openai import CHAT, COMPLETION, APIError, Limits, parse_request
 
 from live_server import KEY, ROOT, Server
 
@@ -33,17 +34,46 @@ def body(**fields) -> bytes:
 def test_parse_chat_defaults_and_text_parts():
     parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
     job = parse_request(body(model="anything", messages=[{"role": "user", "content": parts}]), CHAT)
-    assert job.prompt == [{"role": "user", "content": "Hi there"}]
+    assert job.prompts == [[{"role": "user", "content": "Hi there"}]]
     # OpenAI's defaults: temperature 1, and a chat reply may fill the rest of the context (None)
     defaults = SamplingParams(max_new_tokens=None, temperature=1.0, top_p=1.0, top_k=None, stop=None, seed=None)
     assert job.params == defaults
     assert (job.stream, job.include_usage) == (False, False)
 
 
-@pytest.mark.parametrize("prompt, expected", [("abc", "abc"), (["abc"], "abc"), ([1, 2], [1, 2]), ([[4, 5]], [4, 5])])
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("abc", ["abc"]),
+        (["abc"], ["abc"]),
+        ([1, 2], [[1, 2]]),
+        ([[4, 5]], [[4, 5]]),
+        (["a", [3], "b"], ["a", [3], "b"]),
+    ],
+)
 def test_parse_completion_prompt_forms(prompt, expected):
-    job = parse_request(body(prompt=prompt), COMPLETION)
-    assert job.prompt == expected and job.params.max_new_tokens == 16  # OpenAI's completions default
+    job = parse_request(body(prompt=prompt), COMPLETION, Limits(max_n=1, max_choices=3))
+    assert job.prompts == expected and job.params.max_new_tokens == 16  # OpenAI's completions default
+
+
+def test_parse_n_logprobs_and_echo():
+    limits = Limits(max_n=4, max_choices=8)
+    chat = parse_request(
+        body(messages=[{"role": "user", "content": "hi"}], n=3, logprobs=True, top_logprobs=5), CHAT, limits
+    )
+    assert (chat.n, chat.choices, chat.logprobs, chat.params.logprobs, chat.params.prompt_logprobs) == (
+        3,
+        3,
+        True,
+        5,
+        None,
+    )
+    plain = parse_request(body(messages=[{"role": "user", "content": "hi"}], logprobs=True), CHAT, limits)
+    assert (plain.logprobs, plain.params.logprobs) == (True, 0)  # the sampled token's logprob, no alternatives
+    done = parse_request(body(prompt=["a", "b"], n=2, logprobs=2, echo=True), COMPLETION, limits)
+    assert (done.choices, done.echo, done.params.logprobs, done.params.prompt_logprobs) == (4, True, 2, 2)
+    echo_only = parse_request(body(prompt="a", echo=True), COMPLETION, limits)
+    assert (echo_only.echo, echo_only.logprobs, echo_only.params.prompt_logprobs) == (True, False, None)
 
 
 def test_parse_completion_sampling_and_stream_options():
@@ -75,7 +105,20 @@ BAD = [  # (kind, raw body, code, param)
     (CHAT, body(messages=[{"role": "user", "content": {"x": 1}}]), "invalid_type", "messages"),
     (CHAT, body(messages=[{"role": "user", "content": "hi"}], presence_penalty=0.5), "unsupported", "presence_penalty"),
     (COMPLETION, body(prompt=""), "invalid_value", "prompt"),
-    (COMPLETION, body(prompt=["a", "b"]), "invalid_value", "prompt"),
+    (COMPLETION, body(prompt=["a", ""]), "invalid_value", "prompt"),
+    (COMPLETION, body(prompt=[]), "invalid_value", "prompt"),
+    (COMPLETION, body(prompt=["a", "b", "c"]), "invalid_value", "prompt"),  # 3 answers, the limit is 2
+    (COMPLETION, body(prompt="x", logprobs=21), "invalid_value", "logprobs"),
+    (COMPLETION, body(prompt="x", logprobs=True), "invalid_type", "logprobs"),
+    (COMPLETION, body(prompt="x", echo="yes"), "invalid_type", "echo"),
+    (CHAT, body(messages=[{"role": "user", "content": "hi"}], top_logprobs=2), "invalid_value", "top_logprobs"),
+    (
+        CHAT,
+        body(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=-1),
+        "invalid_value",
+        "top_logprobs",
+    ),
+    (CHAT, body(messages=[{"role": "user", "content": "hi"}], best_of=2), "unsupported", "best_of"),
     (COMPLETION, body(prompt="x", model=3), "invalid_type", "model"),
     (COMPLETION, body(prompt="x", temperature="hot"), "invalid_type", "temperature"),
     (COMPLETION, b'{"prompt": "x", "temperature": NaN}', "invalid_type", "temperature"),
@@ -89,7 +132,8 @@ BAD = [  # (kind, raw body, code, param)
     (COMPLETION, body(prompt="x", top_k=-5), "invalid_value", "top_k"),
     (COMPLETION, body(prompt="x", max_tokens=0), "invalid_value", "max_tokens"),
     (COMPLETION, body(prompt="x", seed=-1), "invalid_value", "seed"),
-    (COMPLETION, body(prompt="x", n=2), "unsupported", "n"),
+    (COMPLETION, body(prompt="x", n=3), "invalid_value", "n"),  # more than the batch size (2 here)
+    (COMPLETION, body(prompt="x", n=0), "invalid_value", "n"),
     (COMPLETION, b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}", "invalid_json", None),  # past the recursion limit
 ]
 
@@ -97,135 +141,11 @@ BAD = [  # (kind, raw body, code, param)
 @pytest.mark.parametrize("kind, raw, code, param", BAD)
 def test_parse_rejects_with_openai_error(kind, raw, code, param):
     with pytest.raises(APIError) as info:
-        parse_request(raw, kind)
+        parse_request(raw, kind, Limits(max_n=2, max_choices=2))
     error = info.value.body()["error"]
     assert info.value.status == 400
     assert error == {"message": error["message"], "type": "invalid_request_error", "param": param, "code": code}
     assert "max_new_tokens" not in error["message"]  # engine names never leak: the client sent max_tokens
-
-
-def request_with(path: str, **headers: str):
-    from starlette.requests import Request
-
-    raw = [(k.replace("_", "-").lower().encode(), v.encode()) for k, v in headers.items()]
-    return Request({"type": "http", "method": "GET", "path": path, "headers": raw, "query_string": b""})
-
-
-def test_check_api_key():
-    from thunder_batch.serve.auth import check_api_key
-
-    check_api_key(request_with("/v1/models"), None)  # no key configured: open
-    check_api_key(request_with("/health"), KEY)  # probes need no key
-    check_api_key(request_with("/v1/models", authorization=f"Bearer {KEY}"), KEY)
-    check_api_key(request_with("/v1/models", x_api_key=KEY), KEY)
-    for headers in [{}, {"authorization": "Bearer nope"}, {"authorization": KEY}, {"x_api_key": "nope"}]:
-        with pytest.raises(APIError) as info:
-            check_api_key(request_with("/v1/models", **headers), KEY)
-        assert (info.value.status, info.value.code) == (401, "invalid_api_key")
-
-
-# -- the worker side on a tiny model (token ids, no tokenizer) ---------------------------------
-def tiny_api(board: dict):
-    from thunder_batch import Engine
-    from thunder_batch.cli.options import EngineOptions
-    from thunder_batch.serve.routes import OpenAIRoutes
-    from thunder_batch.serve.worker import EngineAPI
-
-    from helpers import tiny_gpt
-
-    options = EngineOptions(batch_size=2, max_seq_length=32, prefill_chunk=4, compile="eager")
-    api = EngineAPI(options, OpenAIRoutes("tiny", board, 1000), board)
-    api.attach(Engine(tiny_gpt("llama"), options.engine_config()))
-    return api
-
-
-def greedy(max_tokens: int | None) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=None, stop=None, seed=None)
-
-
-def test_engine_api_admits_rejects_and_reports_usage():
-    api = tiny_api({})
-    admitted = api.add_requests(
-        [
-            ("a", {"prompt": [1, 2, 3, 4, 5], "params": greedy(6)}),
-            ("b", {"prompt": [7] * 30, "params": greedy(6)}),  # 30 + 6 > 32
-            ("c", {"prompt": [7] * 40, "params": greedy(None)}),  # the prompt alone does not fit
-            ("d", {"prompt": [3, 10**6], "params": greedy(2)}),  # the engine's own check
-            ("e", {"prompt": [9, 8], "params": greedy(None)}),  # None: the rest of the cache, 30 tokens
-        ]
-    )
-    assert [(uid, m["event"], done) for uid, m, done in admitted] == [
-        ("a", "accepted", False),
-        ("b", "error", True),
-        ("c", "error", True),
-        ("d", "error", True),
-        ("e", "accepted", False),
-    ]
-    assert admitted[0][1]["prompt_tokens"] == 5
-    errors = {uid: m["error"] for uid, m, _ in admitted if m["event"] == "error"}
-    assert {uid: (e["status"], e["code"], e["param"]) for uid, e in errors.items()} == {
-        "b": (400, "context_length_exceeded", "max_tokens"),
-        "c": (400, "context_length_exceeded", "prompt"),
-        "d": (400, "invalid_value", "prompt"),
-    }
-    assert "32" in errors["b"]["message"] and "token ids must be in" in errors["d"]["message"]
-    finals = {}
-    while api.has_active_requests():
-        finals.update({uid: m for uid, m, done in api.step() if done})
-    assert finals == {
-        uid: {"event": "delta", "text": "", "finish_reason": "length", "completion_tokens": n}
-        for uid, n in [("a", 6), ("e", 30)]
-    }
-    [(_, stats, _)] = api.add_requests([("s", {"stats": True})])
-    assert stats["stats"]["free_slots"] == 2 and stats["stats"]["running"] == 0 and stats["stats"]["in_flight"] == 0
-
-
-def test_engine_api_cancel_board_and_failed_step():
-    board = {}
-    api = tiny_api(board)
-    api.add_requests([(uid, {"prompt": [1, 2, 3], "params": greedy(20)}) for uid in "ab"])
-    api.step()
-    board.update(a=time.time(), gone=time.time() - 3600)  # a: its client left; gone: finished long ago
-    assert ("a", {"event": "aborted"}, True) in api.step()
-    assert board == {} and api.engine.scheduler.find("a") is None
-    assert api.engine.stats()["running"] == 1  # b goes on
-    failed = api.fail_all()  # what the loop does when a step raises
-    assert [(uid, m["error"]["status"], done) for uid, m, done in failed] == [("b", 500, True)]
-    assert not api.engine.has_unfinished() and not api.has_active_requests()
-
-
-def test_engine_loop_idles_on_an_event_and_routes_events():
-    import asyncio
-
-    from litserve.utils import LitAPIStatus
-
-    from thunder_batch.serve.worker import IDLE_WAIT_S, EngineLoop
-
-    api, loop, steps = tiny_api({}), EngineLoop(), []
-    api.step = lambda: steps.append(1) or []
-
-    async def timed_runs():
-        start = time.perf_counter()
-        await loop.run(api, "cpu", 0, None, None, {}, None)  # nothing to do: waits, never steps
-        idle = time.perf_counter() - start
-        asyncio.get_running_loop().call_later(0.05, loop._wake_event().set)  # what an admission does
-        start = time.perf_counter()
-        await loop.run(api, "cpu", 0, None, None, {}, None)
-        return idle, time.perf_counter() - start
-
-    idle, woken = asyncio.run(timed_runs())
-    assert idle >= 0.9 * IDLE_WAIT_S and woken < 0.5 * IDLE_WAIT_S and steps == []
-
-    sent = []
-
-    class Transport:
-        def send(self, item, consumer_id):
-            sent.append((consumer_id, item[0], item[1][1]))
-
-    loop.response_queue_ids = {"a": 3}
-    loop._send(Transport(), [("a", {}, False), ("a", {}, True), ("unknown", {}, True)])
-    assert sent == [(3, "a", LitAPIStatus.OK), (3, "a", LitAPIStatus.FINISH_STREAMING)]
-    assert loop.response_queue_ids == {}
 
 
 # -- a real server ---------------------------------------------------------------------------
@@ -257,15 +177,33 @@ def offline(checkpoint):
 
     engine = Engine.from_checkpoint(checkpoint, EngineConfig(compile="eager", **ENGINE))
 
-    def expect(prompts: list, max_tokens: int, stop=None):
+    def expect(prompts: list, max_tokens: int, stop=None, **params):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return engine.generate(prompts, SamplingParams(max_new_tokens=max_tokens, stop=stop))
+            return engine.generate(prompts, SamplingParams(max_new_tokens=max_tokens, stop=stop, **params))
         finally:
             torch.set_num_threads(threads)
 
+    expect.engine = engine
     return expect
+
+
+@pytest.fixture(scope="module")
+def logits_oracle(checkpoint):
+    """token ids -> log_softmax of litgpt's own forward pass of the real model, in fp32: [T, V]."""
+    import torch
+
+    from thunder_batch.checkpoints import load_checkpoint
+
+    gpt, tokenizer, _ = load_checkpoint(checkpoint, dtype=torch.float32)
+
+    def oracle(ids: list[int]):
+        with torch.no_grad():
+            return torch.log_softmax(gpt(torch.tensor([ids]))[0].float(), dim=-1)
+
+    oracle.tokenizer = tokenizer
+    return oracle
 
 
 def in_parallel(*calls):
@@ -295,6 +233,8 @@ def test_completion_stream_stops_at_stop_string(server, offline):
     prompt = "The capital of France is"
     [want] = offline([prompt], 8, stop=["."])
     assert want.finish_reason == "stop" and "." not in want.text
+    [whole] = offline([prompt], len(want.token_ids) + 1)
+    assert whole.text == want.text + "." and whole.token_ids[:-1] == want.token_ids  # the '.' token is not counted
     chunks = list(
         server.client().completions.create(
             model=MODEL,
@@ -338,14 +278,100 @@ def test_seed_top_k_top_p_reach_the_sampler(server, offline):
     def text(**kw) -> str:
         return client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, **kw).choices[0].text
 
-    seeded_a, seeded_b, top_k_1, tiny_top_p = in_parallel(
+    seeded_a, seeded_b, other_seed, top_k_1, tiny_top_p = in_parallel(
         lambda: text(temperature=1.5, seed=7),
         lambda: text(temperature=1.5, seed=7),
+        lambda: text(temperature=1.5, seed=7 + 2**40),  # differs only above bit 31
         lambda: text(temperature=1.5, extra_body={"top_k": 1}),
         lambda: text(temperature=1.5, top_p=1e-6),
     )
-    assert seeded_a == seeded_b  # the same seed gives the same text, whatever the batch
+    [alone] = offline([prompt], 6, temperature=1.5, seed=7)
+    assert seeded_a == seeded_b == alone.text  # the same seed gives the same text, whatever the batch
+    assert other_seed != seeded_a
     assert top_k_1 == tiny_top_p == greedy.text
+
+
+@real_model
+def test_logprobs_equal_log_softmax_of_the_eager_model(server, offline, logits_oracle):
+    """Completions with echo and logprobs, and chat with top_logprobs, against litgpt's own forward."""
+    import torch
+
+    client, prompt = server.client(), "The capital of France is"
+    [want] = offline([prompt], 4)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=3, echo=True)
+    choice, ids = reply.choices[0], want.prompt_ids + want.token_ids  # ids[0]: the BOS the tokenizer added
+    assert choice.text == prompt + want.text and reply.usage.total_tokens == len(ids)
+    full = logits_oracle(ids)  # [T, V]
+    lp = choice.logprobs  # one entry per token after the BOS: each scored given all before it
+    assert "".join(lp.tokens) == choice.text and lp.text_offset == [
+        len("".join(lp.tokens[:i])) for i in range(len(ids) - 1)
+    ]
+    want_lp = full[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(lp.token_logprobs), want_lp, atol=1e-3)
+    best = full[:-1].topk(3, dim=-1)
+    decode = logits_oracle.tokenizer.processor.decode
+    for t, (alts, values) in enumerate(zip(best.indices.tolist(), best.values.tolist())):
+        expect = {decode([i], skip_special_tokens=False): v for i, v in zip(alts, values)}
+        got = lp.top_logprobs[t]  # the 3 alternatives and the token itself
+        assert set(expect) <= set(got) and all(abs(got[k] - v) < 1e-3 for k, v in expect.items()), t
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2
+    )
+    [want] = offline([messages], 3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == len(want.token_ids) == 3
+    full = logits_oracle(want.prompt_ids + want.token_ids)[len(want.prompt_ids) - 1 : -1]  # [3, V]
+    for entry, row, token in zip(content, full, want.token_ids):
+        assert abs(entry.logprob - row[token].item()) < 1e-3 and len(entry.top_logprobs) == 2
+        assert [abs(a.logprob - v) < 1e-3 for a, v in zip(entry.top_logprobs, row.topk(2).values.tolist())] == [
+            True
+        ] * 2
+    assert "".join(e.token for e in content) == chat.choices[0].message.content == want.text
+
+
+@real_model
+def test_n_and_several_prompts_are_each_the_request_alone(server, offline):
+    client = server.client()
+    prompts = ["The capital of France is", "Once upon a time"]
+    wants = offline(prompts, 5)
+    reply = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0)
+    assert [c.text for c in reply.choices] == [w.text for w in wants]
+    assert reply.usage.prompt_tokens == sum(len(w.prompt_ids) for w in wants)
+    sampled = client.completions.create(
+        model=MODEL, prompt=prompts[1], max_tokens=6, temperature=1.2, seed=3, n=3, logprobs=0
+    )
+    texts = [c.text for c in sampled.choices]
+    [alone] = offline([prompts[1]], 6, temperature=1.2, seed=3)
+    assert texts[0] == alone.text and len(set(texts)) == 3  # choice 0 is the request alone; each its own stream
+    assert sampled.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in sampled.choices)
+    too_many = server.post("/v1/completions", body(prompt="x", n=ENGINE["batch_size"] + 1))
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+
+
+@real_model
+def test_metrics_count_what_the_server_did(server):
+    server.client().completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=3, temperature=0)
+    text = server.metrics()
+
+    def value(name: str, **labels: str) -> float:
+        """The sample `name` with exactly these labels (besides model_name), whatever their order."""
+        want = {"model_name": MODEL, **labels}
+        for line in text.splitlines():
+            head, _, number = line.rpartition(" ")
+            if head.startswith(f"thunder_batch:{name}{{"):
+                found = dict(kv.split("=", 1) for kv in head[len(name) + 15 : -1].split(","))
+                if {k: v.strip('"') for k, v in found.items()} == want:
+                    return float(number)
+        raise AssertionError(f"no {name}{want} in /metrics")
+
+    assert value("generation_tokens_total") >= 3 and value("prompt_tokens_total") > 0
+    assert value("request_success_total", finished_reason="length") >= 1
+    assert value("time_to_first_token_seconds_count") >= 1 and value("inter_token_latency_seconds_count") >= 2
+    assert value("num_requests_running") == 0
+    assert value("worker_healthy", worker="0") == 1
+    assert "thunder_batch:step_duration_seconds_bucket{" in text and "decode rows, attend" in text
 
 
 @real_model
@@ -514,6 +540,20 @@ def test_idle_does_not_spin_and_sigterm_stops_every_process(server):
     start = cpu_seconds()
     time.sleep(4)
     assert cpu_seconds() - start < 0.4, "an idle server must not spin"  # a spinning loop burns ~4 s here
-    assert server.stop() == 0
+    # SIGTERM drains: the stream in flight runs to its end, a new request gets 503, then everything stops.
+    chunks = iter(
+        server.client().completions.create(
+            model=MODEL, prompt="Count to fifty: 1, 2,", max_tokens=40, temperature=0, stream=True
+        )
+    )
+    first = next(chunks)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    refused = server.post("/v1/completions", body(prompt="hi", max_tokens=1))
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "draining")
+    assert server.health().status_code == 503
+    rest = list(chunks)
+    assert rest[-1].choices[0].finish_reason in ("length", "stop") and first.choices[0].finish_reason is None
+    assert server.proc.wait(60) == 0
     _, alive = psutil.wait_procs(family[1:], timeout=15)
     assert not alive, [p.cmdline() for p in alive]

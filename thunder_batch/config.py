@@ -11,6 +11,8 @@ from thunder_batch.stops import normalize_stop
 COMPILE_MODES = ("thunder", "eager")
 TRACE_MODES = ("layers", "step")
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # top alternatives per token a step can return (OpenAI's top_logprobs limit)
+_MASK64 = 2**64 - 1
 
 
 class ParamError(ValueError):
@@ -23,14 +25,19 @@ class ParamError(ValueError):
 
 class ContextLengthError(ValueError):
     """A prompt and its max_new_tokens do not fit in a slot's cache of max_seq_length tokens.
-    max_new_tokens is None when the request asked for the rest of the cache (at least 1 token)."""
+    max_new_tokens is None when the request asked for the rest of the cache (at least 1 token);
+    at_least: prompt_tokens is a lower bound (a text refused before it was tokenized)."""
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int | None, max_seq_length: int) -> None:
+    def __init__(
+        self, prompt_tokens: int, max_new_tokens: int | None, max_seq_length: int, at_least: bool = False
+    ) -> None:
         wanted = "at least 1" if max_new_tokens is None else max_new_tokens
+        counted = f"at least {prompt_tokens}" if at_least else prompt_tokens
         super().__init__(
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({wanted}) exceeds max_seq_length ({max_seq_length})"
+            f"prompt ({counted} tokens) + max_new_tokens ({wanted}) exceeds max_seq_length ({max_seq_length})"
         )
         self.prompt_tokens, self.max_new_tokens, self.max_seq_length = prompt_tokens, max_new_tokens, max_seq_length
+        self.at_least = at_least
 
 
 def is_int(value) -> bool:
@@ -41,6 +48,18 @@ def is_int(value) -> bool:
 def is_chat(prompt) -> bool:
     """A prompt of chat messages: a list of message dicts (a list of ints is token ids)."""
     return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The RNG seed of choice `choice` of a request whose seed is `seed` (0 <= seed <= MAX_SEED): the
+    seed itself for choice 0 (so choice 0 of n is the request alone), else a splitmix64 hash of
+    (seed, choice) taken into the negative int64 half, which no client seed can reach."""
+    if choice == 0:
+        return seed
+    z = ((seed ^ (choice * 0x9E3779B97F4A7C15 & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return -1 - ((z ^ (z >> 31)) >> 1)  # in [-2**63, -1]
 
 
 def _as_tuple(value):
@@ -179,8 +198,11 @@ class EngineConfig:
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings. temperature 0 is greedy; top_k None/0 and top_p 1 are off.
-    `stop` takes a string, a list of strings, a token-id list, or a list of token-id lists.
-    max_new_tokens None: as many as the slot's cache holds after the prompt (OpenAI's max_tokens left out)."""
+    `stop` takes a string, a list of strings, a token-id list, or a list of token-id lists; stop strings
+    need the engine's tokenizer. max_new_tokens None: as many as the slot's cache holds after the prompt
+    (OpenAI's max_tokens left out). Every token's logprob (log_softmax of the raw logits) is kept;
+    `logprobs` k also keeps the k most likely alternatives at each generated token, `prompt_logprobs`
+    k scores the prompt's own tokens (each given those before it) with k alternatives (0 <= k <= 20)."""
 
     max_new_tokens: int | None = 32
     temperature: float = 0.0
@@ -190,6 +212,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_sequences: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
@@ -209,6 +233,10 @@ class SamplingParams:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ParamError("seed", f"seed must be None or an int in [0, {MAX_SEED}], got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ParamError(name, f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ParamError(
                 "stop_token_ids", f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}"

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
 from thunder_batch.compile.step import program_stats
-from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, is_chat, is_int
+from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, choice_seed, is_chat, is_int
 from thunder_batch.request import GenerationResult, Request, StepOutput
 from thunder_batch.runner import Runner
 from thunder_batch.scheduler import Scheduler
@@ -33,6 +33,7 @@ class Engine:
         self.eos_ids = frozenset() if eos is None else frozenset({eos})
         self._next_id = itertools.count()
         self._seeds = random.Random()  # seeds for requests that bring none
+        self._longest_token: int | None = None  # characters in the longest vocabulary entry (0: unknown)
         self._counters = dict(steps=0, generated_tokens=0, prompt_tokens=0, finished_requests=0)
 
     @classmethod
@@ -56,12 +57,14 @@ class Engine:
     def submit(self, prompt, params: SamplingParams | None = None, request_id=None) -> Request:
         """add_request, returning the queued Request itself: its prompt_ids (after the chat template),
         params (max_new_tokens resolved) and output_ids. The server counts usage from it."""
-        request = self._make_request(prompt, params, request_id)
-        self.scheduler.add(request)
+        [request] = self.prepare(prompt, params, [request_id])
+        self.enqueue([request])
         return request
 
-    def _make_request(self, prompt, params: SamplingParams | None, request_id=None) -> Request:
-        """Validate and encode a prompt into a Request, without queueing it."""
+    def prepare(self, prompt, params: SamplingParams | None = None, request_ids=(None,)) -> list[Request]:
+        """Validate and encode a prompt once into one Request per id, without queueing them: the
+        choices of one prompt, choice i drawing from `choice_seed(seed, i)` (choice 0 is the request
+        alone). Reads no scheduler state, so it may run beside a step (the server tokenizes here)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -69,13 +72,22 @@ class Engine:
             params = self._with_chat_stops(params)
         prompt_ids = self.encode(prompt)
         params = self._fitted(len(prompt_ids), params)
-        if request_id is None:
-            request_id = next(self._next_id)
-        elif self.scheduler.find(request_id) is not None:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        seed = self._seeds.getrandbits(31) if params.seed is None else params.seed & 0x7FFFFFFF
-        detok = self._detokenizer(prompt_ids) if self.tokenizer is not None else None
-        return Request(request_id, prompt_ids, params, seed, self.eos_ids, detok)
+        seed = self._seeds.getrandbits(63) if params.seed is None else params.seed  # the full 63 bits
+        requests = []
+        for choice, request_id in enumerate(request_ids):
+            request_id = next(self._next_id) if request_id is None else request_id
+            detok = self._detokenizer(prompt_ids) if self.tokenizer is not None else None
+            requests.append(Request(request_id, prompt_ids, params, choice_seed(seed, choice), self.eos_ids, detok))
+        return requests
+
+    def enqueue(self, requests: list[Request]) -> None:
+        """Queue prepared Requests (all or none: an id already in use raises ValueError)."""
+        ids = [r.request_id for r in requests]
+        taken = [i for i in ids if self.scheduler.find(i) is not None]
+        if taken or len(set(ids)) < len(ids):
+            raise ValueError(f"request_id {(taken or ids)[0]!r} is already in use")
+        for request in requests:
+            self.scheduler.add(request)
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt: a str or chat messages (both need a tokenizer), or a non-empty list
@@ -89,6 +101,7 @@ class Engine:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give the Engine a tokenizer")
             if not prompt:
                 raise ValueError("prompt is empty")
+            self._check_text_length(prompt)
             try:
                 return [int(t) for t in self.tokenizer.encode(prompt).tolist()]
             except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
@@ -101,6 +114,15 @@ class Engine:
         if bad:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         return list(prompt)
+
+    def _check_text_length(self, text: str) -> None:
+        """Refuse, without tokenizing it, a text too long to fit: a token covers at most as many
+        characters as its longest vocabulary entry, so longer text has more tokens than a slot holds."""
+        if self._longest_token is None:
+            self._longest_token = longest_token_chars(self.tokenizer)
+        limit = self.config.max_seq_length
+        if self._longest_token and len(text) > limit * self._longest_token:
+            raise ContextLengthError(len(text) // self._longest_token, None, limit, at_least=True)
 
     def _with_chat_stops(self, params: SamplingParams) -> SamplingParams:
         """Chat replies end at the prompt style's stop tokens (e.g. <|im_end|>) as well."""
@@ -138,23 +160,34 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
-        tokens, logprobs = self.runner.run(plan)
+        result = self.runner.run(plan)
         self._counters["steps"] += 1
         outputs = []
         for work in plan.work:
             request = work.request
+            if result.row_logprobs is not None and request.params.prompt_logprobs is not None:
+                self._score_prompt(work, result)
             request.num_cached += len(work.token_ids)
             if request.num_cached <= len(request.prompt_ids):
                 self._counters["prompt_tokens"] += len(work.token_ids)
             if not work.samples:
                 continue
             self._counters["generated_tokens"] += 1
-            output = request.append(tokens[work.slot], logprobs[work.slot])
+            top = result.top[work.slot] if result.top is not None else None
+            output = request.append(result.tokens[work.slot], result.logprobs[work.slot], top)
             if request.finished:
                 self._counters["finished_requests"] += 1
                 self.scheduler.remove(request)
             outputs.append(output)
         return outputs
+
+    def _score_prompt(self, work, result) -> None:
+        """Record the logprobs of the prompt tokens that follow this work's rows (a `_prompt` head)."""
+        request = work.request
+        first = self.runner.first_row(work)
+        for i in range(len(work.token_ids)):
+            if work.start_pos + i + 1 < len(request.prompt_ids):
+                request.score_prompt(result.row_logprobs[first + i], result.row_top[first + i])
 
     # -- loops over step() --------------------------------------------------------------------
     def generate(
@@ -190,9 +223,8 @@ class Engine:
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        requests = [self._make_request(prompt, p) for prompt, p in zip(prompts, per_prompt)]  # all valid first
-        for request in requests:
-            self.scheduler.add(request)
+        requests = [r for prompt, p in zip(prompts, per_prompt) for r in self.prepare(prompt, p)]  # all valid first
+        self.enqueue(requests)
         return [request.request_id for request in requests]
 
     def warmup(self, progress: bool = False) -> dict:
@@ -212,3 +244,14 @@ class Engine:
             running=self.scheduler.num_running(),
             waiting=len(self.scheduler.waiting),
         )
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the longest vocabulary entry of a litgpt (or `tokenizers`) tokenizer; 0 if unknown."""
+    processor = getattr(tokenizer, "processor", tokenizer)
+    if hasattr(processor, "get_vocab"):  # tokenizers.Tokenizer
+        return max((len(t) for t in processor.get_vocab(with_added_tokens=True)), default=0)
+    if hasattr(processor, "id_to_piece"):  # sentencepiece
+        return max((len(processor.id_to_piece(i)) for i in range(processor.get_piece_size())), default=0)
+    return 0
+

@@ -14,9 +14,10 @@ import torch
 from litgpt.model import do_softcapping
 from torch import nn
 
+from thunder_batch.config import MAX_LOGPROBS
 from thunder_batch.kv_cache import SlotKVCache, slot_caches
 from thunder_batch.model import StepShared, block_forward, step_inputs
-from thunder_batch.sampler import batched_sample, greedy_sample
+from thunder_batch.sampler import batched_sample, greedy_sample, score_rows, top_logprobs
 
 
 def rope_tables(gpt: nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,38 +58,54 @@ class BlockStep(nn.Module):
         return block_forward(self.block, self.cache, x, shared, self.lane_len)
 
 
-HEADS = ("filtered", "unfiltered", "greedy")
+HEADS = ("filtered", "unfiltered", "greedy")  # the samplers; each head variant is one of them
+EXTRAS = ("top", "prompt")  # what a variant adds: "greedy_top", "filtered_prompt", ...
+VARIANTS = HEADS + tuple(f"{head}_{extra}" for head in HEADS for extra in EXTRAS)
 
 
 class StepHead(nn.Module):
     """Final norm and lm_head on each slot's last real row, then the sampler.
 
-    Three variants, each for the steps that need no more: "filtered" (top-k/top-p by a
+    Three samplers, each for the steps that need no more: "filtered" (top-k/top-p by a
     full-vocabulary sort), "unfiltered" (temperature sampling without the sort), "greedy" (argmax,
     no random noise). A row gets the same token and logprob from every variant that serves it.
+    Variants `<sampler>_top` also return each slot's MAX_LOGPROBS most likely tokens and their
+    logprobs; `<sampler>_prompt` also score every row of the step (the prompt rows) against its
+    `target` token, with alternatives: lm_head then runs on all N rows, not only the last ones.
     """
 
     def __init__(self, gpt: nn.Module, variant: str = "filtered") -> None:
         super().__init__()
-        if variant not in HEADS:
-            raise ValueError(f"head variant must be one of {HEADS}, got {variant!r}")
+        if variant not in VARIANTS:
+            raise ValueError(f"head variant must be one of {VARIANTS}, got {variant!r}")
         self.gpt = gpt
-        self.variant = variant
+        self.variant, _, self.extra = variant.partition("_")
 
-    def forward(self, x, input_pos, last_row, temperature, top_k, top_p, seed):
-        # x: [N, C]; input_pos: [N]; last_row: [B] -> (token [B], logprob [B])
+    def logits(self, hidden):
+        # hidden: [R, C] -> [R, V]
         gpt = self.gpt
-        last_hidden = x.index_select(0, last_row)  # [B, C]
-        logits = gpt.lm_head(gpt.transformer.ln_f(last_hidden))  # [B, V]: one row per slot, not N
+        logits = gpt.lm_head(gpt.transformer.ln_f(hidden))
         if gpt.config.final_logit_softcapping is not None:
             logits = do_softcapping(logits, gpt.config.final_logit_softcapping)
+        return logits
+
+    def forward(self, x, input_pos, last_row, temperature, top_k, top_p, seed, target=None):
+        # x: [N, C]; input_pos, target: [N]; last_row: [B] -> (token [B], logprob [B]) and, per
+        # variant, (top ids [B, K], top logprobs [B, K]), (row logprob [N], ids [N, K], logprobs [N, K])
+        logits = self.logits(x.index_select(0, last_row))  # [B, V]: one row per slot, not N
         last_pos = input_pos.index_select(0, last_row)  # [B]
         # The RNG is keyed by the sampled token's own position: independent of slot and batch-mates.
         if self.variant == "greedy":
-            return greedy_sample(logits)
-        return batched_sample(
-            logits, temperature, top_k, top_p, seed, last_pos + 1, filtered=self.variant == "filtered"
-        )
+            out = greedy_sample(logits)
+        else:
+            filtered = self.variant == "filtered"
+            out = batched_sample(logits, temperature, top_k, top_p, seed, last_pos + 1, filtered=filtered)
+        if not self.extra:
+            return out
+        out = (*out, *top_logprobs(logits, MAX_LOGPROBS))
+        if self.extra == "top":
+            return out
+        return (*out, *score_rows(self.logits(x), target, MAX_LOGPROBS))  # its own matmul: [B] rows unchanged
 
 
 class StepProgram(nn.Module):
@@ -105,24 +122,39 @@ class StepProgram(nn.Module):
         self.blocks = nn.ModuleList(
             BlockStep(block, cache, lane_len) for block, cache in zip(gpt.transformer.h, self.caches)
         )
-        self.heads = nn.ModuleDict({variant: StepHead(gpt, variant) for variant in HEADS})
+        self.heads = nn.ModuleDict({variant: StepHead(gpt, variant) for variant in VARIANTS})
 
     def forward(
-        self, idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed, head: str = "filtered"
+        self,
+        idx,
+        input_pos,
+        row_slot,
+        key_pos,
+        last_row,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        target=None,
+        head: str = "filtered",
     ):
-        step_args = (idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed)
+        step_args = (idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed, target)
         return run_step(self.prefix, list(self.blocks), self.heads[head], *step_args)
 
 
-def run_step(prefix, blocks, head, idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed):
+def run_step(
+    prefix, blocks, head, idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed, target=None
+):
     """Next token for every slot after feeding the step's rows.
 
     idx, input_pos, row_slot: [N] token, position and slot of each row (B decode rows, then lanes);
     key_pos: [L], the cache entries read (0 .. L-1); last_row: [B], each slot's last real row;
-    temperature, top_p: [B] float32; top_k, seed: [B] int64. Returns (token [B], logprob [B]).
-    `prefix`, each of `blocks` and `head` are the pieces (modules, or their compiled programs).
+    temperature, top_p: [B] float32; top_k, seed: [B] int64; target: [N] int64, the token each row
+    is scored against by a `_prompt` head (0 where none; None without one). Returns (token [B], logprob [B]) and the
+    head variant's extras (see StepHead). `prefix`, each of `blocks` and `head` are the pieces
+    (modules, or their compiled programs).
     """
     x, *shared = prefix(idx, input_pos, row_slot, key_pos)
     for block in blocks:
         x = block(x, *shared)
-    return head(x, input_pos, last_row, temperature, top_k, top_p, seed)
+    return head(x, input_pos, last_row, temperature, top_k, top_p, seed, target)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
-from thunder_batch.config import SamplingParams
+from thunder_batch.config import ParamError, SamplingParams
 from thunder_batch.stops import StopSequenceMatcher, StopStringHolder
 
 STOP, LENGTH, ABORT = "stop", "length", "abort"
@@ -20,11 +21,14 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, if asked for
 
 
 @dataclass
 class GenerationResult:
-    """A finished request. `token_ids` excludes the prompt, EOS/stop tokens and stop sequences."""
+    """A finished request. `token_ids` excludes the prompt, EOS/stop tokens, stop sequences and the
+    tokens of a stop string (a token whose text begins before the stop string is kept: its text up to
+    the stop is in `text`). `prompt_logprobs`: [None, then each prompt token's logprob] when asked for."""
 
     request_id: object
     prompt_ids: list[int]
@@ -32,6 +36,9 @@ class GenerationResult:
     text: str | None
     finish_reason: str
     logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
 class Request:
@@ -51,8 +58,14 @@ class Request:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.seed = seed
+        if params.stop_strings and detokenizer is None:
+            raise ParamError("stop", f"stop strings {list(params.stop_strings)} need a tokenizer; pass token-id stops")
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # per output token, when params.logprobs is set
+        scored = params.prompt_logprobs is not None  # the first prompt token has nothing before it
+        self.prompt_logprobs: list[float | None] = [None] if scored else []
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = [None] if scored else []
         self.num_cached = 0  # tokens of prompt + output already written to the slot's KV cache
         self.slot: int | None = None
         self.finish_reason: str | None = None
@@ -61,8 +74,10 @@ class Request:
         sequences = params.stop_sequences
         self._stop_state = StopSequenceMatcher(sequences).new_state() if sequences else None
         self._detok = detokenizer
-        self._stop_text = StopStringHolder(params.stop_strings) if detokenizer and params.stop_strings else None
+        self._stop_text = StopStringHolder(params.stop_strings) if params.stop_strings else None
         self._num_released = 0
+        self._pushed = 0  # output tokens fed to the detokenizer
+        self._text_ends: list[int] = []  # per pushed token: length of the text decoded up to it
 
     @property
     def finished(self) -> bool:
@@ -75,10 +90,13 @@ class Request:
             return self.prompt_ids[start:]
         return self.output_ids[start - len(self.prompt_ids) :]
 
-    def append(self, token_id: int, logprob: float) -> StepOutput:
-        """Record one sampled token, apply stops and length, and release what is safe."""
+    def append(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None = None) -> StepOutput:
+        """Record one sampled token (and its most likely alternatives), apply stops and length, and
+        release what is safe."""
         self.output_ids.append(token_id)
         self.logprobs.append(logprob)
+        if self.params.logprobs is not None:
+            self.top_logprobs.append(list(top or [])[: self.params.logprobs])
         held = 0
         if token_id in self._stop_ids:
             self._drop_last(1)
@@ -97,31 +115,70 @@ class Request:
         self.finish_reason = ABORT
         return self._release(len(self.output_ids))
 
+    def score_prompt(self, logprob: float, top: list[tuple[int, float]]) -> None:
+        """The logprob of the next prompt token (and the most likely tokens there)."""
+        self.prompt_logprobs.append(logprob)
+        self.prompt_top_logprobs.append(list(top)[: self.params.prompt_logprobs])
+
     def result(self) -> GenerationResult:
         return GenerationResult(
-            self.request_id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason, list(self.logprobs)
+            self.request_id,
+            self.prompt_ids,
+            list(self.output_ids),
+            self.text,
+            self.finish_reason,
+            list(self.logprobs),
+            list(self.top_logprobs),
+            list(self.prompt_logprobs),
+            list(self.prompt_top_logprobs),
         )
 
     def _drop_last(self, n: int) -> None:
-        del self.output_ids[len(self.output_ids) - n :]
-        del self.logprobs[len(self.logprobs) - n :]
+        self._keep(len(self.output_ids) - n)
+
+    def _keep(self, n: int) -> None:
+        del self.output_ids[n:], self.logprobs[n:], self.top_logprobs[n:]
 
     def _release(self, upto: int) -> StepOutput:
-        new_ids = self.output_ids[self._num_released : upto]
-        new_logprobs = self.logprobs[self._num_released : upto]
-        self._num_released = max(self._num_released, upto)
-        text = self._release_text(new_ids) if self._detok is not None else None
-        return StepOutput(self.request_id, new_ids, text, self.finished, self.finish_reason, new_logprobs)
+        """Release tokens up to `upto` (past the stop sequences that could still form); with text, only
+        those whose text is out (a stop string may still claim the rest)."""
+        if self._detok is not None:
+            delta = self._push_text(upto)
+            upto = len(self.output_ids) if self.finished else bisect_right(self._text_ends, len(self.text))
+        else:
+            delta = None
+        new = slice(self._num_released, max(self._num_released, upto))
+        self._num_released = new.stop
+        top = self.top_logprobs[new] if self.params.logprobs is not None else []
+        ids, logprobs = self.output_ids[new], self.logprobs[new]
+        return StepOutput(self.request_id, ids, delta, self.finished, self.finish_reason, logprobs, top)
 
-    def _release_text(self, new_ids: list[int]) -> str:
-        delta = "".join(self._detok.push(t) for t in new_ids)
+    def _push_text(self, upto: int) -> str:
+        """Decode tokens up to `upto`, pass the text through the stop strings; the new text out."""
+        deltas, length = [], self._text_ends[-1] if self._text_ends else 0
+        for token_id in self.output_ids[self._pushed : upto]:
+            deltas.append(self._detok.push(token_id))
+            length += len(deltas[-1])
+            self._text_ends.append(length)
+        self._pushed = max(self._pushed, upto)
         if self.finished:
-            delta += self._detok.flush()
+            deltas.append(self._detok.flush())
+            if self._text_ends:
+                self._text_ends[-1] += len(deltas[-1])
+        delta = "".join(deltas)
         if self._stop_text is not None:
             delta, stopped = self._stop_text.push(delta)
             if stopped and self.finish_reason != ABORT:
                 self.finish_reason = STOP
+                self._cut_at(len(self.text) + len(delta))
             elif self.finished:
                 delta += self._stop_text.flush()
         self.text += delta
         return delta
+
+    def _cut_at(self, stop_start: int) -> None:
+        """A stop string starts at text offset `stop_start`: keep the tokens whose text begins before it."""
+        starts = [0, *self._text_ends[:-1]]
+        keep = max(bisect_left(starts, stop_start), self._num_released)  # what is out stays out
+        self._keep(keep)
+        self._pushed, self._text_ends = keep, self._text_ends[:keep]

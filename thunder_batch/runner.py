@@ -11,7 +11,7 @@ from thunder_batch.compile.step import load_or_compile_program
 from thunder_batch.config import EngineConfig, StepShape
 from thunder_batch.model import check_supported
 from thunder_batch.program import HEADS, StepProgram
-from thunder_batch.scheduler import StepPlan
+from thunder_batch.scheduler import SlotWork, StepPlan
 
 
 @dataclass
@@ -25,6 +25,7 @@ class StepInputs:
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] float32
     seed: torch.Tensor  # [B] int64
+    target: torch.Tensor  # [N] int64: the next prompt token of each row scored by a `_prompt` head, else 0
 
     def as_args(self) -> tuple[torch.Tensor, ...]:
         return (
@@ -37,7 +38,21 @@ class StepInputs:
             self.top_k,
             self.top_p,
             self.seed,
+            self.target,
         )
+
+
+@dataclass
+class StepResult:
+    """What one step returned, as Python lists: per slot the sampled token and its logprob; with a
+    `_top` or `_prompt` head each slot's most likely tokens [(id, logprob)] * MAX_LOGPROBS; with a
+    `_prompt` head, per row (N) its target's logprob and the row's most likely tokens."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None = None
+    row_logprobs: list[float] | None = None
+    row_top: list[list[tuple[int, float]]] | None = None
 
 
 class Runner:
@@ -75,14 +90,17 @@ class Runner:
         pos = [S] * B + [S + 1 + t for _ in range(shape.lanes) for t in range(C)]
         row_slot = list(range(B)) + _lane_slots(plan, shape.lanes, B, C)
         last, temperature, top_k, top_p, seed = list(range(B)), [0.0] * B, [0] * B, [1.0] * B, [0] * B
+        target = [0] * len(idx)
         for w in plan.work:
-            first = w.slot if w.lane is None else B + w.lane * C
+            first = self.first_row(w)
             n, params = len(w.token_ids), w.request.params
             idx[first : first + n] = w.token_ids
             pos[first : first + n] = range(w.start_pos, w.start_pos + n)
             last[w.slot] = first + n - 1
             temperature[w.slot], top_p[w.slot] = float(params.temperature), float(params.top_p)
             top_k[w.slot], seed[w.slot] = params.top_k or 0, w.request.seed
+            if scores_prompt(w):  # row i is scored against the prompt token after it
+                target[first : first + n] = (w.request.prompt_ids[w.start_pos + 1 : w.start_pos + n + 1] + [0])[:n]
         long, dev = torch.int64, self.device
         return StepInputs(
             torch.tensor(idx, dtype=long, device=dev),
@@ -94,7 +112,12 @@ class Runner:
             torch.tensor(top_k, dtype=long, device=dev),
             torch.tensor(top_p, dtype=torch.float32, device=dev),
             torch.tensor(seed, dtype=long, device=dev),
+            torch.tensor(target, dtype=long, device=dev),
         )
+
+    def first_row(self, work: SlotWork) -> int:
+        """The step row of a work's first token: its slot's decode row, or the start of its lane."""
+        return work.slot if work.lane is None else self.config.batch_size + work.lane * self.config.prefill_chunk
 
     def warmup(self, progress: bool = False) -> dict[str, float]:
         """Run every step shape once with all slots empty (padding writes only scratch entries), so
@@ -120,16 +143,25 @@ class Runner:
             seconds[shape.describe(self.config)] = time.perf_counter() - start
         return seconds
 
-    def run(
-        self, plan: StepPlan, head: str | None = None, shape: StepShape | None = None
-    ) -> tuple[list[int], list[float]]:
-        """One step; returns the sampled token and its logprob for every slot (one host sync).
-        The head (see StepHead) is the cheapest that serves every slot sampling this step."""
+    def run(self, plan: StepPlan, head: str | None = None, shape: StepShape | None = None) -> StepResult:
+        """One step; returns the sampled token and its logprob for every slot (one host sync), and
+        the alternatives its head variant adds. The head (see StepHead) is the cheapest that serves
+        every slot sampling this step, and every slot asking for logprob alternatives."""
         if head is None:
-            head = head_for(plan) if len(self.head_variants) > 1 else self.head_variants[0]
+            head = head_for(plan, None if len(self.head_variants) > 1 else self.head_variants[0])
         with torch.no_grad():
-            token, logprob = self.step_fn(*self.inputs_for(plan, shape).as_args(), head=head)
-        return token.tolist(), logprob.tolist()
+            out = self.step_fn(*self.inputs_for(plan, shape).as_args(), head=head)
+        result = StepResult(out[0].tolist(), out[1].tolist())
+        if len(out) > 2:
+            result.top = _pairs(out[2], out[3])
+        if len(out) > 4:
+            result.row_logprobs, result.row_top = out[4].tolist(), _pairs(out[5], out[6])
+        return result
+
+
+def _pairs(ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[tuple[int, float]]]:
+    """[R, K] ids and logprobs -> per row [(id, logprob)] * K."""
+    return [list(zip(i, lp)) for i, lp in zip(ids.tolist(), logprobs.tolist())]
 
 
 def _lane_slots(plan: StepPlan, lanes: int, B: int, C: int) -> list[int]:
@@ -140,10 +172,27 @@ def _lane_slots(plan: StepPlan, lanes: int, B: int, C: int) -> list[int]:
     return [slot for lane in range(lanes) for slot in [busy[lane] if lane in busy else next(spare)] * C]
 
 
-def head_for(plan: StepPlan) -> str:
+def head_for(plan: StepPlan, sampler: str | None = None) -> str:
     """ "greedy" when no slot that samples this step has temperature > 0, "filtered" when one of
-    those uses top-k or top-p, else "unfiltered". Slots still prefilling sample nothing that counts."""
+    those uses top-k or top-p, else "unfiltered" (or `sampler`, when given). Slots still prefilling
+    sample nothing that counts. Suffixed "_prompt" when a row is scored against the next prompt
+    token (prompt logprobs), else "_top" when a sampling slot wants logprob alternatives."""
+    sampler = sampler or _sampler_for(plan)
+    if any(scores_prompt(w) for w in plan.work):
+        return f"{sampler}_prompt"
+    if any(w.samples and w.request.params.logprobs for w in plan.work):
+        return f"{sampler}_top"
+    return sampler
+
+
+def _sampler_for(plan: StepPlan) -> str:
     sampling = [w.request.params for w in plan.work if w.samples and w.request.params.temperature > 0]
     if not sampling:
         return "greedy"
     return "filtered" if any(p.top_k or p.top_p < 1 for p in sampling) else "unfiltered"
+
+
+def scores_prompt(work: SlotWork) -> bool:
+    """Whether this work feeds a prompt token whose successor's logprob its request asked for."""
+    request = work.request
+    return request.params.prompt_logprobs is not None and work.start_pos < len(request.prompt_ids) - 1

@@ -5,9 +5,12 @@ top-p (nucleus), or takes the argmax where temperature == 0. Randomness comes fr
 counter-based hash of (seed, position, vocab index) turned into Gumbel noise, so a row's token
 depends only on its own logits, parameters, seed and position: never on its slot or batch-mates.
 
-Integer hashing stays in int64 with every value < 2**32 and every multiplier < 2**27, so no
-product reaches 2**63: eager torch and the traced program agree bit-for-bit. Thunder's
-TensorProxy has no `%` operator; masking with `&` avoids it.
+The whole 64-bit seed keys the stream: its low and high 32-bit halves go through two hash lanes
+that each stay a bijection of their half at every position, so two seeds that differ in any bit
+never share a key (users' seeds are in [0, 2**63); `config.choice_seed` derives the streams of
+extra choices in the negative half). Integer hashing stays in int64 with every value < 2**33 and
+every multiplier < 2**27, so no product reaches 2**63: eager torch and the traced program agree
+bit-for-bit. Thunder's TensorProxy has no `%` operator; masking with `&` avoids it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ _MASK32 = 0xFFFFFFFF
 _MULT = 0x45D9F3B  # odd multiplier of a well-mixing 32-bit xorshift-multiply hash (< 2**27)
 # Distinct offsets per key part so that zeros do not hash to the fixed point mix(0) == 0.
 _SEED_OFFSET = 0x2545F491
+_SEED_HI_OFFSET = 0x68E31DA4
 _POS_OFFSET = 0x1B873593
 _VOCAB_OFFSET = 0x3C6EF372
 
@@ -31,12 +35,15 @@ def mix32(x: Tensor) -> Tensor:
 
 
 def random_bits(seed: Tensor, position: Tensor, vocab_size: int) -> Tensor:
-    """32 random bits per (row, vocab index), keyed by the row's (seed, position) only."""
-    key = mix32((seed + _SEED_OFFSET) & _MASK32)  # [B]
-    key = mix32(key ^ ((position + _POS_OFFSET) & _MASK32))  # [B]
+    """32 random bits per (row, vocab index), keyed by the row's (seed, position) only.
+    seed: [B] any int64 (all 64 bits count); position: [B] int64 >= 0."""
+    pos = (position + _POS_OFFSET) & _MASK32  # [B]
+    # Two lanes, each a bijection of its seed half for a given position: distinct seeds, distinct keys.
+    low = mix32(mix32(((seed & _MASK32) + _SEED_OFFSET) & _MASK32) ^ pos)  # [B]
+    high = mix32(mix32((((seed >> 32) & _MASK32) + _SEED_HI_OFFSET) & _MASK32) ^ mix32(pos))  # [B]
     vocab = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)  # [V]
     vocab = mix32(vocab + _VOCAB_OFFSET)  # [V]
-    return mix32(key[:, None] ^ vocab[None, :])  # [B, V]
+    return mix32(((low[:, None] ^ vocab[None, :]) + high[:, None]) & _MASK32)  # [B, V]
 
 
 def bits_to_uniform(bits: Tensor) -> Tensor:
@@ -80,7 +87,7 @@ def batched_sample(
     filtered: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """logits[B, V] float (any float dtype; compute in float32), temperature[B] float32 (0 = greedy),
-    top_k[B] int64 (0 = no top-k), top_p[B] float32 in (0, 1] (1 = off), seed[B] int64 (>= 0, < 2**31),
+    top_k[B] int64 (0 = no top-k), top_p[B] float32 in (0, 1] (1 = off), seed[B] int64 (any value),
     position[B] int64 (the absolute sequence position of the token being sampled).
     Returns (token[B] int64, logprob[B] float32) where logprob is log_softmax of the raw logits
     (temperature 1, no filtering) at the chosen token.
@@ -114,3 +121,18 @@ def logprob_of(logits: Tensor, token: Tensor) -> Tensor:
     """log_softmax of float32 logits[B, V] at token[B] -> [B]."""
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     return torch.gather(logprobs, 1, token[:, None]).squeeze(1)  # [B]
+
+
+def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k most likely tokens of each row of logits[R, V] and their logprobs, the same log_softmax
+    of the float32 logits as `logprob_of` -> (ids [R, k] int64, logprobs [R, k] float32), best first."""
+    values, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)  # [R, k] each
+    return ids, values
+
+
+def score_rows(logits: Tensor, target: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Every row's logprob of its target token and its k best alternatives: logits[R, V], target[R]
+    -> (logprob [R], ids [R, k], logprobs [R, k])."""
+    logits = logits.float()  # [R, V]
+    ids, values = top_logprobs(logits, k)
+    return logprob_of(logits, target), ids, values

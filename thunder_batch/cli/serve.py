@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing
+import ipaddress
 import os
+import shutil
+import sys
+import tempfile
 from dataclasses import replace
 from typing import Literal
 
@@ -19,14 +22,18 @@ def serve(
     devices: int | None = None,
     workers_per_device: int = 1,
     max_body_bytes: int = 1_000_000,
+    max_waiting: int | None = None,
+    request_timeout: float | None = None,
+    drain_timeout: float = 30.0,
     log_level: Literal["debug", "info", "warning", "error"] = "info",
     **options,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching.
 
     Routes: POST /v1/chat/completions, POST /v1/completions (both stream with "stream": true),
-    GET /v1/models, GET /health. Stops cleanly on Ctrl+C or SIGTERM. With --compile thunder each
-    worker traces the step program before the server accepts connections (minutes for a big model on CPU).
+    GET /v1/models, /health, /stats, /metrics (Prometheus). With --compile thunder each worker makes
+    its step programs before the server accepts connections (minutes for a big model on CPU, seconds
+    from the compile cache). SIGTERM drains (new requests get 503) and then stops; Ctrl+C stops at once.
 
     Args:
         host: Interface to bind: 127.0.0.1 (this machine only), 0.0.0.0 or :: (all interfaces).
@@ -37,24 +44,64 @@ def serve(
         devices: How many devices to use (None: all).
         workers_per_device: Engines per device, each a worker process with its own B slots.
         max_body_bytes: Largest request body accepted; larger ones get 413.
+        max_waiting: Requests each worker may hold beyond its B slots; past (B + max_waiting) x workers
+            requests in flight the server answers 429 with Retry-After. Default: 2 x batch_size per worker.
+        request_timeout: Seconds a request may wait and run; then it ends (504, or an error event in a
+            stream) and frees its slot. Default: no timeout.
+        drain_timeout: Seconds SIGTERM waits for requests in flight before stopping.
         log_level: LitServe and uvicorn log level.
     """
     from thunder_batch.checkpoints import default_checkpoint_dir, validate_checkpoint_dir
 
     engine_options = EngineOptions(**options)
     engine_options.engine_config()  # a bad value fails here, not in every worker
+    for name, value in [("max_waiting", max_waiting), ("request_timeout", request_timeout)]:
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
     checkpoint_dir = engine_options.checkpoint_dir
     # Convert the default model here, once, before any worker starts.
     checkpoint_dir = default_checkpoint_dir() if checkpoint_dir is None else validate_checkpoint_dir(checkpoint_dir)
     api_key = api_key or os.environ.get("THUNDER_BATCH_API_KEY") or None
-    with multiprocessing.Manager() as manager:  # run_server stops it with the other children
-        server = build_server(
+    if api_key is None and not _loopback(host):
+        print(
+            f"warning: serving on {host} without an API key: anyone who reaches port {port} can use it "
+            "(set THUNDER_BATCH_API_KEY)",
+            file=sys.stderr,
+        )
+    metrics_dir = _metrics_dir()
+    try:
+        server, state = build_server(
             replace(engine_options, checkpoint_dir=checkpoint_dir),
-            manager.dict(),
             api_key=api_key,
             accelerator=accelerator,
             devices="auto" if devices is None else devices,
             workers_per_device=workers_per_device,
             max_body_bytes=max_body_bytes,
+            max_waiting=max_waiting,
+            request_timeout=request_timeout or None,
         )
-        run_server(server, host, port, log_level)
+        run_server(server, host, port, log_level, state, drain_timeout)
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _metrics_dir() -> str | None:
+    """Prometheus' multiprocess directory, made before any process that records metrics starts
+    (ours, removed at the end), unless the operator set $PROMETHEUS_MULTIPROC_DIR."""
+    from thunder_batch.serve.metrics import MULTIPROC_ENV
+
+    if os.environ.get(MULTIPROC_ENV):
+        return None
+    path = tempfile.mkdtemp(prefix="thunder-batch-metrics-")
+    os.environ[MULTIPROC_ENV] = path
+    return path

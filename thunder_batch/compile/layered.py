@@ -1,5 +1,6 @@
 """The compiled step: per step shape (rows N, cache entries read L), a prefix and a block program per
-layer, and per N a head per sampler variant, each traced once by Thunder or loaded from the compile cache.
+layer, and per N a head per variant used (sampler, and top or prompt logprobs), each traced once by Thunder
+or loaded from the compile cache.
 
 Layers share a block trace whenever Thunder's prologue checks would accept them (see `pieces`), so
 a cold compile traces two or three blocks, not the model's depth. A stored piece is checked on
@@ -71,7 +72,18 @@ class LayeredProgram:
 
     @torch.no_grad()
     def __call__(
-        self, idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed, head: str = "filtered"
+        self,
+        idx,
+        input_pos,
+        row_slot,
+        key_pos,
+        last_row,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        target=None,
+        head: str = "filtered",
     ):
         self.calls += 1
         rows, length = int(idx.shape[0]), int(key_pos.shape[0])
@@ -85,7 +97,7 @@ class LayeredProgram:
             shape.blocks_settled = True
             self._store_blocks(shape, (x, *shared))
         kind = "head" if head == "filtered" else f"head-{head}"
-        head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed)
+        head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed, target)
         fn = shape.heads.get(kind)
         if fn is None:
             fn, out = self._make(kind, self.program.heads[head], head_args)

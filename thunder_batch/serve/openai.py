@@ -1,32 +1,26 @@
-"""OpenAI-compatible request parsing and response shaping for `thunder-batch serve`.
+"""OpenAI-compatible request parsing for `thunder-batch serve` (response bodies: `shape`).
 
 Pure Python (imports no torch, no web framework). The HTTP side parses a request here, once, into
-the prompt and a validated SamplingParams before it reaches the inference worker; the worker reports
+the prompts and a validated SamplingParams before it reaches the inference worker; the worker reports
 only prompt-dependent errors (chat template, prompt too long for the cache), which need the
-tokenizer. Every response body is shaped here.
+tokenizer.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 
-from thunder_batch.config import ParamError, SamplingParams, is_int
+from thunder_batch.config import MAX_LOGPROBS, ParamError, SamplingParams, is_int
 
 CHAT, COMPLETION = "chat", "completion"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-SSE_DONE = "data: [DONE]\n\n"
 
 # Parameters we do not implement: accepted only at their neutral value, so no client silently
 # gets something other than what it asked for.
 NEUTRAL = {
-    "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "suffix": ("",),
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
@@ -46,6 +40,7 @@ class APIError(Exception):
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = "rate_limit_error" if self.status == 429 else kind
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def to_dict(self) -> dict:  # crosses the process boundary as plain data
@@ -54,16 +49,32 @@ class APIError(Exception):
 
 @dataclass
 class Job:
-    """A validated request: what the worker needs, and how to shape the answer."""
+    """A validated request: what the worker needs, and how to shape the answer. Choice i*n + j is
+    the j-th of the `n` answers to prompts[i] (OpenAI's order)."""
 
     kind: str
-    prompt: object  # str | list[int] | list of {"role", "content"} dicts
+    prompts: list  # each a str, a list of token ids, or a list of {"role", "content"} dicts
     params: SamplingParams  # max_new_tokens None: the rest of the cache (the engine resolves it)
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
+    echo: bool = False  # completions: the prompt is part of the text (and its tokens of the logprobs)
+    logprobs: bool = False  # shape token logprobs (params.logprobs alternatives each)
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
 
     def payload(self) -> dict:
-        return {"prompt": self.prompt, "params": self.params}
+        return dict(prompts=self.prompts, params=self.params, n=self.n, echo=self.echo, logprobs=self.logprobs)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for: `n` up to max_n (the batch size), prompts x n up to max_choices."""
+
+    max_n: int = 1
+    max_choices: int = 1
 
 
 def parse_json(body: bytes) -> dict:
@@ -78,25 +89,65 @@ def parse_json(body: bytes) -> dict:
     return data
 
 
-def parse_request(body: bytes, kind: str) -> Job:
+def parse_request(body: bytes, kind: str, limits: Limits = Limits()) -> Job:
     """Body of POST /v1/chat/completions (CHAT) or /v1/completions (COMPLETION) -> Job, or APIError (400)."""
     data = parse_json(body)
     _get(data, "model", str)  # any name is accepted: one model is served
     for name, neutral in NEUTRAL.items():
         _check_neutral(data, name, neutral)
+    echo = False
     if kind == CHAT:
-        prompt = _messages(data)
+        prompts = [_messages(data)]
         max_tokens = _get(data, "max_completion_tokens", int, _get(data, "max_tokens", int))
+        logprobs = _chat_logprobs(data)
     else:
-        prompt = _completion_prompt(data)
+        prompts = _completion_prompts(data)
         max_tokens = _get(data, "max_tokens", int, COMPLETION_DEFAULT_MAX_TOKENS)
+        logprobs = _count(data, "logprobs", None)
+        echo = _get(data, "echo", bool, False)
     stream = _get(data, "stream", bool, False)
     options = _get(data, "stream_options", dict, {})
     include_usage = stream and _get(options, "include_usage", bool, False, "stream_options.include_usage")
-    return Job(kind, prompt, _sampling(data, max_tokens), stream, include_usage)
+    n = _n(data, len(prompts), limits)
+    params = _sampling(data, max_tokens, logprobs, logprobs if echo else None)
+    return Job(kind, prompts, params, stream, include_usage, n, echo, logprobs is not None)
 
 
-def _sampling(data: dict, max_tokens: int | None) -> SamplingParams:
+def _chat_logprobs(data: dict) -> int | None:
+    """Chat: `logprobs: true` returns each token's logprob, `top_logprobs` that many alternatives."""
+    top = _count(data, "top_logprobs", None)
+    if not _get(data, "logprobs", bool, False):
+        if top is not None:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+        return None
+    return top or 0
+
+
+def _count(data: dict, name: str, default):
+    value = _get(data, name, int, default)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"'{name}' must be an integer in [0, {MAX_LOGPROBS}], got {value}", name, "invalid_value")
+    return value
+
+
+def _n(data: dict, prompts: int, limits: Limits) -> int:
+    n = _get(data, "n", int, 1)
+    if not 1 <= n <= limits.max_n:
+        raise APIError(
+            400, f"'n' must be an integer in [1, {limits.max_n}] (the batch size), got {n}", "n", "invalid_value"
+        )
+    if prompts * n > limits.max_choices:
+        raise APIError(
+            400,
+            f"{prompts} prompts x n={n} is {prompts * n} answers; one request may ask for at most "
+            f"{limits.max_choices} (a worker's slots and waiting room)",
+            "prompt" if prompts > 1 else "n",
+            "invalid_value",
+        )
+    return n
+
+
+def _sampling(data: dict, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     top_k = _get(data, "top_k", int)
     stop = _get(data, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
@@ -109,6 +160,8 @@ def _sampling(data: dict, max_tokens: int | None) -> SamplingParams:
             top_k=None if top_k == -1 else top_k,
             stop=stop,
             seed=_get(data, "seed", int),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ParamError as e:  # the client named it max_tokens (or max_completion_tokens)
         param = "max_tokens" if e.param == "max_new_tokens" else e.param
@@ -146,18 +199,16 @@ def _content(content, i: int) -> str:
     )
 
 
-def _completion_prompt(data: dict):
-    """One prompt: a string or a list of token ids (a one-element batch of either is unwrapped)."""
+def _completion_prompts(data: dict) -> list:
+    """A string, a list of token ids, or a list of several of either (a batch of prompts)."""
     prompt = _get(data, "prompt", (str, list))
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        return prompt
+    batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if batch else [prompt]
+    if all((isinstance(p, str) and p) or (isinstance(p, list) and p and all(is_int(t) for t in p)) for p in prompts):
+        return prompts
     raise APIError(
         400,
-        "'prompt' is required: a non-empty string or list of token ids (one prompt per request)",
+        "'prompt' is required: a non-empty string, a list of token ids, or a list of several of those",
         "prompt",
         "invalid_value",
     )
@@ -188,56 +239,3 @@ def _check_neutral(data: dict, name: str, allowed: tuple) -> None:
     raise APIError(
         400, f"'{name}' is not supported by this server (only {json.dumps(allowed[0])})", name, "unsupported"
     )
-
-
-class Shaper:
-    """OpenAI response objects for one request (chat.completion or text_completion)."""
-
-    def __init__(self, kind: str, request_id: str, model: str):
-        self.kind, self.model, self.created = kind, model, int(time.time())
-        self.id = ("chatcmpl-" if kind == CHAT else "cmpl-") + request_id
-        self.object = "chat.completion" if kind == CHAT else "text_completion"
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
-        if self.kind == CHAT:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head(self.object), "choices": [choice], "usage": usage}
-
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
-        if self.kind == CHAT:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head(self.object), "choices": [choice]}
-
-    def usage_chunk(self, usage: dict) -> dict:
-        obj = "chat.completion.chunk" if self.kind == CHAT else self.object
-        return {**self._head(obj), "choices": [], "usage": usage}
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def models_list(model: str, created: int) -> dict:
-    entry = {"id": model, "object": "model", "created": created, "owned_by": "thunder_batch"}
-    return {"object": "list", "data": [entry]}

@@ -1,75 +1,98 @@
-"""The HTTP side of `thunder-batch serve`: OpenAI routes as a LitServe spec, errors and API keys.
+"""The HTTP side of `thunder-batch serve`: OpenAI routes as a LitServe spec, admission and errors.
 
-Runs in LitServe's API server processes. Requests are parsed and answers shaped by
-`openai`; this module moves them between HTTP and the inference worker (`worker.EngineAPI`).
+Runs in LitServe's API server processes. Requests are parsed by `openai` and answers shaped by
+`shape`; `calls.Call` moves them between HTTP and the inference workers. A request is admitted only
+while the server is not draining (else 503) and while the requests in flight, over every HTTP
+process, leave room for its choices (else 429 with Retry-After): nothing is tokenized before that.
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import time
-import uuid
-from collections import deque
-from contextlib import suppress
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from litserve.specs.base import LitSpec
-from litserve.utils import LitAPIStatus, ResponseBufferItem
 from starlette.exceptions import HTTPException
 
-from thunder_batch.serve.openai import (
-    CHAT,
-    COMPLETION,
-    SSE_DONE,
-    APIError,
-    Job,
-    Shaper,
-    models_list,
-    parse_request,
-    sse,
-    usage,
-)
+from thunder_batch.serve.calls import Call, ClientGone
+from thunder_batch.serve.openai import CHAT, COMPLETION, APIError, Job, Limits, parse_request
+from thunder_batch.serve.shape import SSE_DONE, Choice, Shaper, models_list, sse, usage
 
-DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks that its client is still there
+logger = logging.getLogger(__name__)
+RETRY_AFTER_S = 1
 
 
-class ClientGone(Exception):
-    pass
+@dataclass(frozen=True)
+class ServeSettings:
+    """What the HTTP side needs to know: the model's name, the workers' size and the server's limits.
+    max_waiting: requests each worker may hold beyond its slots; request_timeout: seconds (None: off)."""
+
+    model: str
+    batch_size: int = 8
+    max_waiting: int = 16
+    workers: int = 1
+    max_body_bytes: int = 1_000_000
+    request_timeout: float | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Choices in flight over the whole server: every worker's slots and waiting room."""
+        return self.workers * (self.batch_size + self.max_waiting)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_n=self.batch_size, max_choices=self.batch_size + self.max_waiting)
 
 
 class OpenAIRoutes(LitSpec):
-    """LitServe spec with the OpenAI routes. A request goes to the worker through LitServe's request
+    """LitServe spec with the OpenAI routes. A request goes to a worker through LitServe's request
     queue; the worker's messages come back through LitServe's response buffer. A request abandoned by
-    its client is posted on `cancel_board` (uid -> time), which the worker reads every step."""
+    its client is posted on the cancel board, which the workers read every step."""
 
-    def __init__(self, model: str, cancel_board, max_body_bytes: int):
+    def __init__(self, settings: ServeSettings, state, board):
         super().__init__()
         self.api_path = "/v1/chat/completions"  # also names the request queue LitServe gives the worker
-        self.model, self.cancel_board, self.max_body_bytes = model, cancel_board, max_body_bytes
-        self.created = int(time.time())
+        self.settings, self.state, self.board = settings, state, board
+        self.model, self.created, self._metrics = settings.model, int(time.time()), None
         self.add_endpoint("/v1/chat/completions", self.chat_completions, ["POST"])
         self.add_endpoint("/v1/completions", self.completions, ["POST"])
         self.add_endpoint("/v1/models", self.models, ["GET"])
         self.add_endpoint("/stats", self.stats, ["GET"])
+        self.add_endpoint("/metrics", self.metrics_text, ["GET"])
 
     @property
     def stream(self) -> bool:
         return True  # every answer travels on LitServe's streaming path, token by token
 
+    @property
+    def http_index(self) -> int:
+        return self.response_queue_id or 0  # LitServe numbers its HTTP processes 0, 1, ...
+
+    @property
+    def metrics(self):
+        if self._metrics is None:  # made in this HTTP process, after the serve command set up metrics
+            from thunder_batch.serve.metrics import Metrics
+
+            self._metrics = Metrics(self.model)
+        return self._metrics
+
     async def models(self) -> dict:
         return models_list(self.model, self.created)
 
+    async def metrics_text(self) -> Response:
+        from thunder_batch.serve.metrics import CONTENT_TYPE
+
+        return Response(self.metrics.render(self.state), media_type=CONTENT_TYPE)
+
     async def stats(self) -> Response:
-        """The engine counters of whichever worker picks this up (slots in use, queue, steps, compiles)."""
-        call = _Call(self, {"stats": True})
-        try:
-            return JSONResponse((await call.next())["stats"])
-        except APIError as e:
-            return error_response(e)
-        finally:
-            call.close()
+        """Every worker's engine counters (slots, queue, steps, tokens, compiles), summed, and each worker's own."""
+        workers = [dict(self.state.published(w.index), **vars(w)) for w in self.state.all_workers()]
+        in_flight, cancels = self.state.in_flight(), self.board.pending()
+        return JSONResponse(dict(sum_stats(workers), in_flight=in_flight, cancels_pending=cancels, workers=workers))
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, CHAT)
@@ -78,48 +101,105 @@ class OpenAIRoutes(LitSpec):
         return await self._generate(request, COMPLETION)
 
     async def _generate(self, request: Request, kind: str) -> Response:
+        start = time.monotonic()
         try:
-            job = parse_request(await read_body(request, self.max_body_bytes), kind)
+            job = parse_request(await read_body(request, self.settings.max_body_bytes), kind, self.settings.limits)
+            self._admit(job)
+            payload = dict(job.payload(), arrival=time.time(), request_id=request_id(request))
+            call = Call(self, payload, job.choices)
         except APIError as e:
+            self.metrics.labels(self.metrics.request_rejected, status=str(e.status)).inc()
             return error_response(e)
-        call, streaming = _Call(self, job.payload()), False
+        streaming = False
         try:
             accepted = await call.next(request)  # the worker's verdict: accepted, or a 4xx
-            shaper = Shaper(kind, call.uid, self.model)
+            shaper = Shaper(kind, call.uid, self.model, job.logprobs)
             if job.stream:
                 streaming = True  # from here the response owns the call
-                return _ClosingStream(self._stream(call, job, shaper, accepted["prompt_tokens"]), call.close)
-            return await self._collect(call, shaper, accepted["prompt_tokens"], request)
+                body = self._stream(call, job, shaper, accepted["prompt_tokens"], start, request)
+                return _ClosingStream(body, call.close)
+            return await self._collect(call, job, shaper, accepted["prompt_tokens"], start, request)
         except APIError as e:
+            self._failed(e, request, call)
             return error_response(e)
         except ClientGone:
+            self._finished(["abort"] * job.choices)
             return Response(status_code=499)
         finally:
             if not streaming:
                 call.close()
 
-    async def _collect(self, call: _Call, shaper: Shaper, prompt_tokens: int, request: Request) -> Response:
-        parts = []
+    def _admit(self, job: Job) -> None:
+        if self.state.draining:
+            raise APIError(503, "the server is shutting down: send this request elsewhere", code="draining")
+        capacity = self.settings.capacity
+        if self.state.in_flight() + job.choices > capacity:
+            raise APIError(
+                429,
+                f"the server is at capacity: {capacity} requests in flight ({self.settings.workers} workers x "
+                f"({self.settings.batch_size} slots + {self.settings.max_waiting} waiting)); retry later",
+                code="server_overloaded",
+            )
+
+    async def _collect(self, call: Call, job: Job, shaper: Shaper, prompt_tokens: int, start, request) -> Response:
+        choices = [Choice(i) for i in range(job.choices)]
         while not call.done:
             message = await call.next(request)
-            parts.append(message["text"])
-        body = shaper.full("".join(parts), message["finish_reason"], usage(prompt_tokens, message["completion_tokens"]))
-        return JSONResponse(body)
+            choices[message["index"]].add(message)
+        used = usage(prompt_tokens, sum(c.completion_tokens for c in choices))
+        self._finished([c.finish_reason for c in choices], start)
+        return JSONResponse(shaper.full(choices, used))
 
-    async def _stream(self, call: _Call, job: Job, shaper: Shaper, prompt_tokens: int):
+    async def _stream(self, call: Call, job: Job, shaper: Shaper, prompt_tokens: int, start, request):
+        choices = [Choice(i) for i in range(job.choices)]
         try:
             if job.kind == CHAT:
-                yield sse(shaper.chunk(role=True))
+                for choice in choices:
+                    yield sse(shaper.chunk(choice, role=True))
             while not call.done:
                 message = await call.next()
-                if message["text"]:
-                    yield sse(shaper.chunk(message["text"]))
-            yield sse(shaper.chunk(finish_reason=message["finish_reason"]))
+                choice = choices[message["index"]]
+                choice.add(message)
+                yield sse(shaper.chunk(choice, message))
             if job.include_usage:
-                yield sse(shaper.usage_chunk(usage(prompt_tokens, message["completion_tokens"])))
+                yield sse(shaper.usage_chunk(usage(prompt_tokens, sum(c.completion_tokens for c in choices))))
             yield SSE_DONE
-        except APIError as e:
+            self._finished([c.finish_reason for c in choices], start)
+        except APIError as e:  # the status line is long gone: an error event, then the end of the stream
+            self._failed(e, request, call)
             yield sse(e.body())
+            yield SSE_DONE
+
+    def _finished(self, reasons: list, start: float | None = None) -> None:
+        for reason in reasons:
+            self.metrics.labels(self.metrics.request_success, finished_reason=reason or "abort").inc()
+        if start is not None:
+            self.metrics.labels(self.metrics.e2e).observe(time.monotonic() - start)
+
+    def _failed(self, e: APIError, request: Request, call: Call) -> None:
+        reason = "timeout" if e.status == 504 else ("error" if e.status >= 500 else None)
+        if reason is None:  # the worker refused it (prompt too long, ...): a rejection, not a finish
+            self.metrics.labels(self.metrics.request_rejected, status=str(e.status)).inc()
+            return
+        self._finished([reason] * call.choices)
+        logger.warning("request %s (%s): %d %s: %s", request_id(request), call.uid, e.status, e.code, e.message)
+
+
+def sum_stats(workers: list[dict]) -> dict:
+    """Counters summed over workers (numbers added, dicts of numbers merged); the first worker's other fields."""
+    total: dict = {}
+    for stats in workers:
+        for key, value in stats.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("index", "pid"):
+                total[key] = total.get(key, 0) + value
+            elif isinstance(value, dict):
+                merged = total.setdefault(key, {})
+                for k, v in value.items():
+                    merged[k] = merged.get(k, 0) + v if isinstance(v, (int, float)) else v
+            else:
+                total.setdefault(key, value)
+    total.pop("index", None), total.pop("pid", None)
+    return total
 
 
 class _ClosingStream(StreamingResponse):
@@ -137,42 +217,8 @@ class _ClosingStream(StreamingResponse):
             self.on_close()
 
 
-class _Call:
-    """One request in flight: submitted to the worker, read message by message, cancelled if abandoned."""
-
-    def __init__(self, routes: OpenAIRoutes, payload: dict):
-        self.routes, self.uid, self.done, self.checked_at = routes, uuid.uuid4().hex, False, time.monotonic()
-        self.item = ResponseBufferItem(event=asyncio.Event(), response_queue=deque())
-        routes.response_buffer[self.uid] = self.item
-        routes.request_queue.put((routes.response_queue_id, self.uid, time.monotonic(), payload))
-
-    async def next(self, request: Request | None = None) -> dict:
-        """The worker's next message; raises APIError for an error, ClientGone if `request`'s client left
-        (checked every DISCONNECT_POLL_S, whether or not tokens are flowing)."""
-        queue, event = self.item.response_queue, self.item.event
-        while True:
-            if request is not None and time.monotonic() - self.checked_at >= DISCONNECT_POLL_S:
-                self.checked_at = time.monotonic()
-                if await request.is_disconnected():
-                    raise ClientGone
-            if queue:
-                break
-            event.clear()
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(event.wait(), DISCONNECT_POLL_S if request is not None else None)
-        message, status = queue.popleft()
-        self.done = status in (LitAPIStatus.FINISH_STREAMING, LitAPIStatus.ERROR)
-        if status == LitAPIStatus.ERROR:
-            raise APIError(500, "the inference worker failed; see the server log", code="worker_error")
-        if message["event"] == "error":
-            raise APIError(**message["error"])
-        return message
-
-    def close(self) -> None:
-        self.routes.response_buffer.pop(self.uid, None)
-        if not self.done:  # the client left before the end: the worker aborts it and frees its slot
-            self.done = True
-            self.routes.cancel_board[self.uid] = time.time()
+def request_id(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id", "-")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -192,7 +238,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    if e.status in (429, 503):
+        headers["Retry-After"] = str(RETRY_AFTER_S)
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 

@@ -2,52 +2,72 @@
 
 LitServe runs three kinds of process: the main process (`server`), which starts the others and waits;
 an HTTP process per worker (`routes`); and the inference workers (devices x workers_per_device), each
-owning one Engine built in `EngineAPI.setup`. Inside a worker, `EngineLoop` runs two threads that
-both touch the engine, so it sits behind a lock:
-- intake: takes requests off LitServe's queue and admits them (between steps, in batches);
-- steps: `Engine.step()` back to back while any request is unfinished.
-With nothing to do, the worker sleeps on an event: an idle server does not spin a core.
+owning one Engine built in `EngineAPI.setup`. Inside a worker, `loop.EngineLoop` runs two threads that
+both touch the engine, so its state sits behind a lock:
+- intake: takes a bounded number of requests off LitServe's queue, tokenizes them outside the lock
+  (`prepare`), then queues them in the engine under it (`admit`);
+- steps: `Engine.step()` back to back while any request is unfinished (`step`).
+One HTTP request may carry several choices (n, or a list of prompts): each is an engine Request,
+id "<uid>/<choice>", and the request finishes when its last choice does.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
+import os
 import threading
 import time
-from contextlib import suppress
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import litserve as ls
-from fastapi import Request
-from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop
-from litserve.utils import LitAPIStatus, LoopResponseType
 
-from thunder_batch.config import ContextLengthError, is_chat
-from thunder_batch.serve.auth import check_api_key
+from thunder_batch.config import ContextLengthError, ParamError, is_chat
+from thunder_batch.serve.loop import EngineLoop
+from thunder_batch.serve.metrics import Metrics
 from thunder_batch.serve.openai import APIError
+from thunder_batch.serve.state import UNHEALTHY_AFTER_FAILED_STEPS
+from thunder_batch.serve.tokens import TokenTexts
 
 logger = logging.getLogger(__name__)
-IDLE_WAIT_S = 1.0  # an idle worker looks at its queue this often; a new request wakes it at once
-CANCEL_TTL_S = 60.0  # a cancel no worker claims (its request had already finished) is dropped after this
+RECENT = 4096  # finished uids remembered, to clear a cancel that raced the end of its request
+PUBLISH_S = 0.25  # a busy worker publishes its counters this often
 
 Event = tuple  # (uid, message dict for the HTTP side, finished: bool)
 
 
-class EngineAPI(ls.LitAPI):
-    """The Engine behind LitServe. Messages to the HTTP side (see `routes._Call`):
-    {"event": "accepted", "prompt_tokens"}, {"event": "delta", "text"[, "finish_reason", "completion_tokens"]},
-    {"event": "error", "error": APIError fields}."""
+@dataclass
+class _Job:
+    """One HTTP request in this worker: its choices (engine Requests) and how to report them."""
 
-    def __init__(self, options, spec, cancel_board, api_key: str | None = None):
+    requests: list
+    prompts: list  # as the client sent them; choice c answers prompts[c // n]
+    n: int
+    echo: bool
+    logprobs: bool
+    arrival: float
+    live: set = field(default_factory=set)  # choices still running
+    echoed: set = field(default_factory=set)  # choices whose prompt was sent back (echo)
+    last_token: dict = field(default_factory=dict)  # choice -> time of its last token
+
+
+class EngineAPI(ls.LitAPI):
+    """The Engine behind LitServe. Messages to the HTTP side (see `calls.Call`): {"event": "claimed",
+    "worker", "pid"} as soon as a worker takes the request, then {"event": "accepted", "prompt_tokens"} or
+    an error; {"event": "delta", "index", "text"[, "logprobs", "echo"][, "finish_reason",
+    "completion_tokens"]} per choice; {"event": "error", "error": APIError fields}."""
+
+    def __init__(self, options, spec, state, board, model: str = "model"):
         """options: the command's EngineOptions (each worker builds its own Engine from them in `setup`);
-        spec: the HTTP side's LitSpec (`routes.OpenAIRoutes`); cancel_board: the dict it posts abandoned
-        uids on (uid -> time)."""
+        spec: the HTTP side's LitSpec; state: the SharedState; board: the CancelBoard."""
         super().__init__(spec=spec, loop=EngineLoop())
-        self.options, self.cancel_board, self.api_key = options, cancel_board, api_key
-        self.engine, self.lock, self._requests = None, None, {}
+        self.options, self.state, self.board, self.model = options, state, board, model
+        self.engine, self.lock, self.index = None, None, 0
 
     def setup(self, device) -> None:
+        self.index = int(os.environ.get("LITSERVE_WORKER_ID", "0"))
+        fields = dict(ready=0, failed_steps=0, queue_lost=0, running=0, waiting=0)
+        self.state.set_worker(self.index, pid=os.getpid(), **fields)
         engine = self.options.load_engine(device)
         if engine.config.compile == "thunder":
             engine.warmup(progress=True)  # make every step shape now, not on the first request
@@ -55,171 +75,226 @@ class EngineAPI(ls.LitAPI):
 
     def attach(self, engine) -> None:
         self.engine, self.lock = engine, threading.Lock()
-        self._requests: dict = {}  # uid -> its Request, for each request in the engine
-
-    def authorize(self, request: Request) -> None:
-        check_api_key(request, self.api_key)  # LitServe runs this as a dependency of every route
+        self.metrics = Metrics(self.model)
+        self._jobs: dict[str, _Job] = {}  # uid -> its choices, for every request in the engine
+        self._requests: dict = {}  # engine request id -> (uid, choice)
+        self._finished: OrderedDict = OrderedDict()  # recently finished uids
+        self._texts = TokenTexts(engine.tokenizer)
+        self._compiles, self._published_at = (0, 0), 0.0
+        self._time_steps(engine.runner)
+        self._report()
+        self.state.set_worker(self.index, pid=os.getpid(), ready=1)
 
     def has_active_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._jobs)
 
-    def add_requests(self, items: list[tuple[str, dict]]) -> list[Event]:
-        """Admit (uid, payload) pairs in one go: each is accepted, or rejected with a 4xx message."""
+    def room(self) -> int:
+        """Choices this worker takes now: up to B waiting beside B slots; none while it is unhealthy."""
+        if self.state.worker(self.index).failed_steps >= UNHEALTHY_AFTER_FAILED_STEPS:
+            return 0
+        B = self.engine.config.batch_size
+        scheduler = self.engine.scheduler
+        return max(2 * B - scheduler.num_running() - len(scheduler.waiting), 0)
+
+    # -- intake: prepare (tokenize, outside the lock), then admit ---------------------------------
+    def prepare(self, items: list[tuple[str, dict]]) -> list[tuple[str, dict, object]]:
+        """(uid, payload) -> (uid, payload, its Requests or a final error Event), tokenizing each prompt once."""
+        out = []
+        for uid, payload in items:
+            try:
+                out.append((uid, payload, self._requests_for(uid, payload)))
+            except ContextLengthError as e:
+                out.append((uid, payload, _error(uid, _context_error(e, payload["prompts"]))))
+            except ParamError as e:  # e.g. stop strings the tokenizer cannot serve
+                out.append((uid, payload, _error(uid, APIError(400, str(e), e.param, "invalid_value"))))
+            except ValueError as e:  # the engine's own checks: roles, token ids, chat template
+                error = APIError(400, str(e), _prompt_param(payload["prompts"]), "invalid_value")
+                out.append((uid, payload, _error(uid, error)))
+            except Exception:  # a bug, not the client's fault: fail this request, keep serving the others
+                logger.exception("could not admit request %s", uid)
+                out.append((uid, payload, _error(uid, APIError(500, "could not admit the request"))))
+        return out
+
+    def _requests_for(self, uid: str, payload: dict) -> list:
+        n, requests = payload["n"], []
+        for p, prompt in enumerate(payload["prompts"]):
+            ids = [f"{uid}/{p * n + j}" for j in range(n)]
+            requests += self.engine.prepare(prompt, payload["params"], ids)
+        return requests
+
+    def admit(self, prepared: list[tuple[str, dict, object]]) -> list[Event]:
+        """Queue prepared requests in the engine, unless their client already left."""
         with self.lock:
-            return [self._admit(uid, payload) for uid, payload in items]
+            cancelled = set(self.board.claim([uid for uid, _, _ in prepared]))
+            return [self._admit(uid, payload, requests, uid in cancelled) for uid, payload, requests in prepared]
 
-    def _admit(self, uid: str, payload: dict) -> Event:
-        if payload.get("stats"):
-            return uid, {"event": "stats", "stats": self._stats()}, True
-        prompt = payload["prompt"]
-        try:  # the engine encodes the prompt once; a max_new_tokens of None becomes the rest of the cache
-            request = self.engine.submit(prompt, payload["params"], request_id=uid)
-        except ContextLengthError as e:
-            return uid, {"event": "error", "error": _context_error(e, prompt).to_dict()}, True
-        except ValueError as e:  # the engine's own checks: roles, token ids, chat template
-            error = APIError(400, str(e), _prompt_param(prompt), "invalid_value")
-            return uid, {"event": "error", "error": error.to_dict()}, True
-        except Exception:  # a bug, not the client's fault: fail this request, keep serving the others
-            logger.exception("could not admit request %s", uid)
-            return uid, {"event": "error", "error": APIError(500, "could not admit the request").to_dict()}, True
-        self._requests[uid] = request
-        return uid, {"event": "accepted", "prompt_tokens": len(request.prompt_ids)}, False
+    def _admit(self, uid: str, payload: dict, requests, cancelled: bool) -> Event:
+        if cancelled:  # a cancel that came before admission: nobody waits for an answer
+            return uid, {"event": "aborted"}, True
+        if isinstance(requests, tuple):
+            return requests
+        self.engine.enqueue(requests)
+        n = payload["n"]
+        job = _Job(requests, payload["prompts"], n, payload["echo"], payload["logprobs"], payload["arrival"])
+        job.live.update(range(len(requests)))
+        self._jobs[uid] = job
+        for choice, request in enumerate(requests):
+            self._requests[request.request_id] = (uid, choice)
+        self.metrics.labels(self.metrics.prompt_tokens).inc(sum(len(r.prompt_ids) for r in requests))
+        prompt_tokens = sum(len(r.prompt_ids) for r in requests[::n])  # each prompt once, as OpenAI counts
+        return uid, {"event": "accepted", "prompt_tokens": prompt_tokens}, False
 
-    def _stats(self) -> dict:
+    def _publish(self) -> None:
+        """The engine counters /stats shows, in shared memory (at most every PUBLISH_S while busy)."""
+        now = time.monotonic()
+        if self._jobs and now - self._published_at < PUBLISH_S:
+            return
+        self._published_at = now
         stats = self.engine.stats()
         batch_size = self.engine.config.batch_size
-        return json.loads(
-            json.dumps(
-                dict(
-                    stats,
-                    batch_size=batch_size,
-                    free_slots=batch_size - stats["running"],
-                    in_flight=len(self._requests),
-                ),
-                default=str,
-            )
-        )
+        stats.update(batch_size=batch_size, free_slots=batch_size - stats["running"], requests=len(self._jobs))
+        self.state.publish(self.index, stats)
 
+    # -- steps ------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """Abort what clients abandoned, run one engine step, and report what it released."""
-        board = dict(self.cancel_board.items())  # one round trip to the manager, outside the lock
         with self.lock:
-            mine = [uid for uid in board if uid in self._requests]
-            for uid in mine:
-                self.engine.abort(uid)  # its slot is free for this very step
-                del self._requests[uid]
-            events = [(uid, {"event": "aborted"}, True) for uid in mine]  # nobody reads it: it closes the uid
-            outputs = self.engine.step() if self._requests else []
-            events += [e for e in map(self._event, outputs) if e is not None]
-        now = time.time()
-        for uid in mine + [u for u, t in board.items() if now - t > CANCEL_TTL_S and u not in mine]:
-            self.cancel_board.pop(uid, None)
+            events = [self._abort(uid) for uid in self.board.claim(self._jobs)]
+            self.board.claim(self._finished)  # cancels that raced the end of their request
+            outputs = self.engine.step() if self._jobs else []
+            events += self._events(outputs)
+            self._report()
         return events
 
-    def _event(self, output) -> Event | None:
-        uid = output.request_id
-        if not output.finished:
-            return (uid, {"event": "delta", "text": output.text}, False) if output.text else None
-        request = self._requests.pop(uid)  # finished: every token it kept has been released
-        message = {
-            "event": "delta",
-            "text": output.text or "",
-            "finish_reason": output.finish_reason,
-            "completion_tokens": len(request.output_ids),
-        }
-        return uid, message, True
+    def _abort(self, uid: str) -> Event:
+        for request in self._jobs[uid].requests:
+            self.engine.abort(request.request_id)
+        self._forget(uid)
+        return uid, {"event": "aborted"}, True  # nobody reads it: it closes the uid
+
+    def _forget(self, uid: str) -> None:
+        for request in self._jobs.pop(uid).requests:
+            self._requests.pop(request.request_id, None)
+        self._finished[uid] = None
+        while len(self._finished) > RECENT:
+            self._finished.popitem(last=False)
+
+    def _events(self, outputs) -> list[Event]:
+        now, messages = time.time(), []
+        for output in outputs:
+            uid, choice = self._requests[output.request_id]
+            job = self._jobs[uid]
+            self._time_token(job, choice, now)
+            message = self._message(job, choice, output)
+            if message is not None:
+                messages.append((uid, message))
+        self.metrics.labels(self.metrics.generation_tokens).inc(len(outputs))
+        final = {uid: i for i, (uid, _) in enumerate(messages)}  # a request's last message this step
+        events = []
+        for i, (uid, message) in enumerate(messages):
+            last = final[uid] == i and not self._jobs[uid].live
+            if last:
+                self._forget(uid)
+            events.append((uid, message, last))
+        return events
+
+    def _message(self, job: _Job, choice: int, output) -> dict | None:
+        request = job.requests[choice]
+        message = {"event": "delta", "index": choice, "text": output.text or ""}
+        if job.logprobs:
+            message["logprobs"] = self._texts.entries(output.token_ids, output.logprobs, output.top_logprobs)
+        if output.finished:
+            job.live.discard(choice)
+            message.update(finish_reason=output.finish_reason, completion_tokens=len(request.output_ids))
+        if job.echo and choice not in job.echoed:  # the prompt first (its logprobs are known by now)
+            job.echoed.add(choice)
+            message["echo"] = self._texts.echo(job.prompts[choice // job.n], request, job.logprobs)
+        if not (output.finished or message["text"] or message.get("logprobs") or "echo" in message):
+            return None
+        return message
 
     def fail_all(self) -> list[Event]:
         """After a failed step: abort every request and tell each client (500)."""
         with self.lock:
-            uids = list(self._requests)
+            uids = list(self._jobs)
             for uid in uids:
-                self.engine.abort(uid)
-            self._requests.clear()
+                for request in self._jobs[uid].requests:
+                    self.engine.abort(request.request_id)
+                self._forget(uid)
+            self._report()
         error = APIError(500, "the engine failed during a step; see the server log", code="engine_error").to_dict()
         return [(uid, {"event": "error", "error": error}, True) for uid in uids]
 
+    def probe(self) -> None:
+        """A step with every slot empty (padding writes only scratch entries): raises if stepping fails."""
+        from thunder_batch.scheduler import StepPlan
 
-def _prompt_param(prompt) -> str:
-    return "messages" if is_chat(prompt) else "prompt"
+        with self.lock:
+            self.engine.runner.run(StepPlan([]))
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def step_failed(self, failed: bool) -> None:
+        failures = self.state.worker(self.index).failed_steps + 1 if failed else 0
+        self.state.set_worker(self.index, failed_steps=failures)
+        if failed:
+            self.metrics.labels(self.metrics.failed_steps).inc()
+
+    def _report(self) -> None:
+        scheduler = self.engine.scheduler
+        self.state.set_worker(self.index, running=scheduler.num_running(), waiting=len(scheduler.waiting))
+        self._record_compiles()
+        self._publish()
+
+    def _time_token(self, job: _Job, choice: int, now: float) -> None:
+        last = job.last_token.get(choice)
+        if last is None:
+            self.metrics.labels(self.metrics.ttft).observe(max(now - job.arrival, 0.0))
+        else:
+            self.metrics.labels(self.metrics.itl).observe(now - last)
+        job.last_token[choice] = now
+
+    def _record_compiles(self) -> None:
+        from thunder_batch.compile.step import program_stats  # here: the HTTP processes never load torch
+
+        stats = program_stats(self.engine.runner.step_fn)
+        loaded, traced = stats["disk_cache_hits"], stats["traced"]
+        if (loaded, traced) != self._compiles:
+            self.metrics.labels(self.metrics.compile_cache_hits).inc(loaded - self._compiles[0])
+            self.metrics.labels(self.metrics.compiled_pieces).inc(traced - self._compiles[1])
+            self._compiles = (loaded, traced)
+
+    def _time_steps(self, runner) -> None:
+        """Time every step by its shape (wraps this runner instance's `run`; the class is untouched)."""
+        run, step = runner.run, self.metrics.step
+
+        def timed(plan, head=None, shape=None):
+            start = time.perf_counter()
+            try:
+                return run(plan, head, shape)
+            finally:
+                shape = (shape or runner.shape_for(plan)).describe(runner.config)
+                self.metrics.labels(step, shape=shape).observe(time.perf_counter() - start)
+
+        runner.run = timed
 
 
-def _context_error(e: ContextLengthError, prompt) -> APIError:
+def _error(uid: str, error: APIError) -> Event:
+    return uid, {"event": "error", "error": error.to_dict()}, True
+
+
+def _prompt_param(prompts) -> str:
+    return "messages" if prompts and is_chat(prompts[0]) else "prompt"
+
+
+def _context_error(e: ContextLengthError, prompts) -> APIError:
     """In the client's terms: max_tokens when the prompt alone fits, else the prompt is too long."""
     n, limit, wanted = e.prompt_tokens, e.max_seq_length, e.max_new_tokens
-    param = "max_tokens" if n < limit else _prompt_param(prompt)
+    param = "max_tokens" if n < limit else _prompt_param(prompts)
+    counted = f"at least {n}" if e.at_least else n
     return APIError(
         400,
-        f"this server's context length is {limit} tokens (max_seq_length): the prompt has {n} "
+        f"this server's context length is {limit} tokens (max_seq_length): the prompt has {counted} "
         f"tokens and max_tokens asks for {wanted or 'at least 1'} more",
         param,
         "context_length_exceeded",
     )
-
-
-class EngineLoop(ContinuousBatchingLoop):
-    """LitServe's continuous batching loop, reshaped for Engine: requests are admitted in batches as they
-    arrive (the engine queues what does not fit in B slots), a step runs only when there is work, and an
-    idle worker waits on an event instead of spinning."""
-
-    def __init__(self):
-        super().__init__()
-        self._wake: asyncio.Event | None = None
-
-    def _wake_event(self) -> asyncio.Event:
-        if self._wake is None:  # created on the worker's own event loop
-            self._wake = asyncio.Event()
-        return self._wake
-
-    async def schedule_task(self, lit_api: EngineAPI, lit_spec, request_queue, transport) -> None:
-        while True:  # intake must outlive any one bad moment: without it nothing is ever admitted again
-            try:
-                await self._intake(lit_api, request_queue, transport)
-            except Exception:
-                logger.exception("request intake failed; retrying")
-                await asyncio.sleep(IDLE_WAIT_S)
-
-    async def _intake(self, lit_api: EngineAPI, request_queue, transport) -> None:
-        items = await asyncio.to_thread(self._take_requests, request_queue)
-        if not items:
-            return
-        for queue_id, uid, _, _ in items:
-            self.response_queue_ids[uid] = queue_id
-        events = await asyncio.to_thread(lit_api.add_requests, [(uid, payload) for _, uid, _, payload in items])
-        self._send(transport, events)
-        self._wake_event().set()
-
-    def _take_requests(self, request_queue) -> list:
-        """Block up to IDLE_WAIT_S for one request, then take all others already queued."""
-        items, item = [], self.get_request(request_queue, timeout=IDLE_WAIT_S)
-        while item is not None:
-            if len(item) == 4 and item[1] is not None:  # not LitServe's shutdown sentinel
-                items.append(item)
-            item = self.get_request(request_queue, block=False)
-        return items
-
-    async def run(
-        self, lit_api: EngineAPI, device, worker_id, request_queue, transport, workers_setup_status, callback_runner
-    ) -> None:
-        if not lit_api.has_active_requests():
-            wake = self._wake_event()
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), IDLE_WAIT_S)
-            wake.clear()
-            return
-        try:
-            events = await asyncio.to_thread(lit_api.step)
-        except Exception:
-            logger.exception("engine step failed; failing the requests in flight")
-            events = lit_api.fail_all()
-        self._send(transport, events)
-
-    def _send(self, transport, events: list[Event]) -> None:
-        for uid, message, finished in events:
-            queue_id = self.response_queue_ids.get(uid)
-            if queue_id is None:
-                continue
-            status = LitAPIStatus.FINISH_STREAMING if finished else LitAPIStatus.OK
-            self.put_response(transport, queue_id, uid, message, status, LoopResponseType.STREAMING)
-            if finished:
-                del self.response_queue_ids[uid]

@@ -1,0 +1,237 @@
+"""The inference worker of `thunder-batch serve` on a tiny model (token ids, no tokenizer), without
+processes: admission and usage, choices (n, several prompts) against the engine run offline, logprobs,
+the cancel board (also before admission), failed steps and health, the loop's idling and routing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from thunder_batch.config import SamplingParams, choice_seed
+from thunder_batch.serve.cancels import CancelBoard
+from thunder_batch.serve.server import health_problems
+from thunder_batch.serve.state import SharedState, process_alive
+
+from helpers import tiny_gpt
+
+OPTIONS = dict(batch_size=2, max_seq_length=32, prefill_chunk=4, compile="eager")
+
+
+def tiny_api(state=None, board=None):
+    from thunder_batch import Engine
+    from thunder_batch.cli.options import EngineOptions
+    from thunder_batch.serve.routes import OpenAIRoutes, ServeSettings
+    from thunder_batch.serve.worker import EngineAPI
+
+    options = EngineOptions(**OPTIONS)
+    state, board = state or SharedState(1, 1), board or CancelBoard(64)
+    api = EngineAPI(options, OpenAIRoutes(ServeSettings("tiny"), state, board), state, board, "tiny")
+    api.attach(Engine(tiny_gpt("llama"), options.engine_config()))
+    return api
+
+
+def greedy(max_tokens: int | None, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def payload(*prompts, params, n=1, echo=False, logprobs=False) -> dict:
+    return dict(prompts=list(prompts), params=params, n=n, echo=echo, logprobs=logprobs, arrival=time.time())
+
+
+def add(api, items):
+    return api.admit(api.prepare(items))
+
+
+def run_all(api) -> dict:
+    """Step until every request finished: uid -> its messages in order."""
+    messages = {}
+    while api.has_active_requests():
+        for uid, m, _ in api.step():
+            messages.setdefault(uid, []).append(m)
+    return messages
+
+
+def test_admits_rejects_and_reports_usage():
+    api = tiny_api()
+    admitted = add(
+        api,
+        [
+            ("a", payload([1, 2, 3, 4, 5], params=greedy(6))),
+            ("b", payload([7] * 30, params=greedy(6))),  # 30 + 6 > 32
+            ("c", payload([7] * 40, params=greedy(None))),  # the prompt alone does not fit
+            ("d", payload([3, 10**6], params=greedy(2))),  # the engine's own check
+            ("e", payload([9, 8], params=greedy(None))),  # None: the rest of the cache, 30 tokens
+            ("f", payload([9, 8], params=greedy(2, stop=["x"]))),  # string stops need a tokenizer
+        ],
+    )
+    assert [(uid, m["event"], done) for uid, m, done in admitted] == [
+        ("a", "accepted", False),
+        ("b", "error", True),
+        ("c", "error", True),
+        ("d", "error", True),
+        ("e", "accepted", False),
+        ("f", "error", True),
+    ]
+    assert admitted[0][1]["prompt_tokens"] == 5
+    errors = {uid: m["error"] for uid, m, _ in admitted if m["event"] == "error"}
+    assert {uid: (e["status"], e["code"], e["param"]) for uid, e in errors.items()} == {
+        "b": (400, "context_length_exceeded", "max_tokens"),
+        "c": (400, "context_length_exceeded", "prompt"),
+        "d": (400, "invalid_value", "prompt"),
+        "f": (400, "invalid_value", "stop"),
+    }
+    assert "32" in errors["b"]["message"] and "token ids must be in" in errors["d"]["message"]
+    finals = {uid: ms[-1] for uid, ms in run_all(api).items()}
+    assert finals == {
+        uid: {"event": "delta", "index": 0, "text": "", "finish_reason": "length", "completion_tokens": n}
+        for uid, n in [("a", 6), ("e", 30)]
+    }
+    assert api.state.published(0)["free_slots"] == 2 and api.state.worker(0).running == 0
+
+
+def test_choices_are_the_requests_alone_with_their_own_seeds():
+    """n=2 over two prompts: choice i*n + j answers prompt i; choice 0 of each prompt is the request
+    alone (the same seed), choice 1 draws from choice_seed(seed, 1); usage counts each prompt once."""
+    from thunder_batch import Engine, EngineConfig
+
+    api = tiny_api()
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    [(_, accepted, _)] = add(api, [("u", payload(*prompts, params=sampled, n=2, logprobs=True))])
+    assert accepted["prompt_tokens"] == 8
+    messages = run_all(api)["u"]
+    finals = {m["index"]: m["completion_tokens"] for m in messages if "finish_reason" in m}
+    assert finals == {0: 8, 1: 8, 2: 8, 3: 8}
+    got = {i: [int(e[0][1:-1]) for m in messages if m["index"] == i for e in m["logprobs"]] for i in range(4)}
+    offline = Engine(tiny_gpt("llama"), EngineConfig(**OPTIONS))
+    for i, prompt in enumerate(prompts):
+        assert got[2 * i] == offline.generate([prompt], sampled)[0].token_ids  # choice 0: the request alone
+        pair = offline.prepare(prompt, sampled, ["x", "y"])
+        assert pair[1].seed == choice_seed(5, 1)
+        offline.enqueue(pair)
+        while offline.has_unfinished():
+            offline.step()
+        assert got[2 * i + 1] == pair[1].output_ids != got[2 * i]
+
+
+def test_logprob_messages_carry_each_token_and_its_alternatives():
+    api = tiny_api()
+    params = greedy(4, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    add(api, [("u", payload([5, 6, 7], params=params, echo=True, logprobs=True))])
+    messages = run_all(api)["u"]
+    entries = [e for m in messages for e in m["logprobs"]]
+    assert len(entries) == 4 and all(len(e[2]) == 2 for e in entries)
+    assert all(e[2][0][1] >= e[2][1][1] and e[1] <= e[2][0][1] + 1e-6 for e in entries)
+    echo = messages[0]["echo"]
+    assert echo["text"] == "<5><6><7>" and [e[0] for e in echo["logprobs"]] == ["<5>", "<6>", "<7>"]
+    assert echo["logprobs"][0][1] is None and all(isinstance(e[1], float) for e in echo["logprobs"][1:])
+
+
+def test_cancels_before_admission_and_while_running():
+    board = CancelBoard(64)
+    api = tiny_api(board=board)
+    add(api, [(uid, payload([1, 2, 3], params=greedy(20))) for uid in ("a" * 32, "b" * 32)])
+    api.step()
+    board.post("a" * 32)  # its client left while it ran
+    board.post("c" * 32)  # and this one's before any worker took it
+    assert ("a" * 32, {"event": "aborted"}, True) in api.step()
+    assert api.engine.scheduler.find("a" * 32 + "/0") is None and api.engine.stats()["running"] == 1
+    assert board.pending() == 1  # c's cancel waits for c
+    [(uid, message, done)] = add(api, [("c" * 32, payload([4, 5], params=greedy(5)))])
+    assert (uid, message, done) == ("c" * 32, {"event": "aborted"}, True) and board.pending() == 0
+    assert api.engine.scheduler.find("c" * 32 + "/0") is None
+
+
+def test_failed_steps_make_the_worker_unhealthy_until_a_step_succeeds():
+    state = SharedState(1, 1)
+    api = tiny_api(state=state)
+    assert health_problems(state) == []
+    run = api.engine.runner.run
+    api.engine.runner.run = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    for i in range(3):
+        add(api, [(str(i), payload([1, 2, 3], params=greedy(20)))])
+        with pytest.raises(RuntimeError):
+            api.step()
+        assert [(uid, m["error"]["status"], done) for uid, m, done in api.fail_all()] == [(str(i), 500, True)]
+        assert not api.engine.has_unfinished() and not api.has_active_requests()
+        api.step_failed(True)
+        assert bool(health_problems(state)) == (i == 2)
+    assert health_problems(state) == ["worker 0: its last 3 steps failed"] and api.room() == 0
+    with pytest.raises(RuntimeError):
+        api.probe()
+    api.engine.runner.run = run
+    api.probe()  # what the loop does while the worker is unhealthy and idle
+    api.step_failed(False)
+    assert health_problems(state) == [] and api.room() == 4
+
+
+def test_health_sees_dead_and_missing_workers_and_draining():
+    state = SharedState(2, 1)
+    state.set_worker(0, pid=os.getpid(), ready=1)
+    assert health_problems(state) == ["worker 1 is starting (or restarting after it stopped)"]
+    state.set_worker(1, pid=2**22 + 12345, ready=1)  # no such process
+    assert not process_alive(2**22 + 12345) and len(health_problems(state)) == 1
+    state.set_worker(1, pid=os.getpid())
+    state.start_draining()
+    assert health_problems(state) == ["draining: the server is shutting down"]
+
+
+def test_cancel_board_entries_expire_and_a_full_board_drops_the_oldest(monkeypatch):
+    from thunder_batch.serve import cancels
+
+    board = CancelBoard(4)
+    uids = [f"{i:032x}" for i in range(6)]
+    for uid in uids[:4]:
+        board.post(uid)
+    assert board.pending() == 4 and board.claim([uids[1]]) == [uids[1]] and board.pending() == 3
+    board.post(uids[4])  # reuses the claimed entry
+    assert set(board.posted()) == {uids[0], uids[2], uids[3], uids[4]}
+    monkeypatch.setattr(cancels, "TTL_S", -1.0)  # every entry is old now
+    board.post(uids[5])
+    assert len(board.posted()) == 4 and uids[5] in board.posted()
+
+
+def test_shared_state_counts_and_publishes():
+    state = SharedState(2, 3)
+    state.add_in_flight(0, 5)
+    state.add_in_flight(2, 2)
+    state.add_in_flight(0, -1)
+    assert state.in_flight() == 6
+    assert state.published(1) == {}
+    state.publish(1, {"steps": 3, "programs": {"head": 1}})
+    assert state.published(1) == {"steps": 3, "programs": {"head": 1}}
+
+
+def test_engine_loop_idles_on_an_event_and_routes_events():
+    from litserve.utils import LitAPIStatus
+
+    from thunder_batch.serve.loop import IDLE_WAIT_S, EngineLoop
+
+    api, loop, steps = tiny_api(), EngineLoop(), []
+    api.step = lambda: steps.append(1) or []
+
+    async def timed_runs():
+        start = time.perf_counter()
+        await loop.run(api, "cpu", 0, None, None, {}, None)  # nothing to do: waits, never steps
+        idle = time.perf_counter() - start
+        asyncio.get_running_loop().call_later(0.05, loop._events()[0].set)  # what an admission does
+        start = time.perf_counter()
+        await loop.run(api, "cpu", 0, None, None, {}, None)
+        return idle, time.perf_counter() - start
+
+    idle, woken = asyncio.run(timed_runs())
+    assert idle >= 0.9 * IDLE_WAIT_S and woken < 0.5 * IDLE_WAIT_S and steps == []
+
+    sent = []
+
+    class Transport:
+        def send(self, item, consumer_id):
+            sent.append((consumer_id, item[0], item[1][1]))
+
+    loop.response_queue_ids = {"a": 3}
+    loop._send(Transport(), [("a", {}, False), ("a", {}, True), ("unknown", {}, True)])
+    assert sent == [(3, "a", LitAPIStatus.OK), (3, "a", LitAPIStatus.FINISH_STREAMING)]
+    assert loop.response_queue_ids == {}

@@ -1,0 +1,133 @@
+"""The worker's loop: LitServe's continuous batching loop reshaped for Engine (see `worker`).
+
+Two tasks on the worker's event loop, each handing blocking work to a thread:
+- intake takes requests off LitServe's queue only while the engine has room (up to B waiting beside
+  its B slots: the rest stay in LitServe's queue, for whichever worker frees a slot first), tells
+  the HTTP side at once which worker took each one, tokenizes outside the engine lock, then admits;
+- steps run back to back while requests are in flight. A failed step fails the requests in flight
+  (500) and counts towards the worker's health; an unhealthy worker takes no new requests and probes
+  itself with an empty step every PROBE_S until one succeeds.
+With nothing to do, the worker sleeps on an event: an idle server does not spin a core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from contextlib import suppress
+
+from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop
+from litserve.utils import LitAPIStatus, LoopResponseType
+
+logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 1.0  # an idle worker looks at its queue this often; a new request wakes it at once
+FULL_WAIT_S = 0.05  # a worker without room looks again this often (or when a step ends)
+PROBE_S = 5.0  # an unhealthy, idle worker tries an empty step this often
+
+
+class EngineLoop(ContinuousBatchingLoop):
+    def __init__(self):
+        super().__init__()
+        self._wake: asyncio.Event | None = None
+        self._stepped: asyncio.Event | None = None
+        self._probed_at = 0.0
+
+    def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
+        if self._wake is None:  # created on the worker's own event loop
+            self._wake, self._stepped = asyncio.Event(), asyncio.Event()
+        return self._wake, self._stepped
+
+    # -- intake -----------------------------------------------------------------------------------
+    async def schedule_task(self, lit_api, lit_spec, request_queue, transport) -> None:
+        while True:  # intake must outlive any one bad moment: without it nothing is ever admitted again
+            try:
+                await self._intake(lit_api, request_queue, transport)
+                lit_api.state.set_worker(lit_api.index, queue_lost=0)
+            except (EOFError, OSError) as e:  # LitServe's queue manager is gone: /health says so
+                lit_api.state.set_worker(lit_api.index, queue_lost=1)
+                logger.error("LitServe's request queue is unreachable (%s); retrying", e)
+                await asyncio.sleep(IDLE_WAIT_S)
+            except Exception:
+                logger.exception("request intake failed; retrying")
+                await asyncio.sleep(IDLE_WAIT_S)
+
+    async def _intake(self, lit_api, request_queue, transport) -> None:
+        wake, stepped = self._events()
+        room = lit_api.room()
+        if room <= 0:
+            stepped.clear()
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stepped.wait(), FULL_WAIT_S)
+            return
+        items = await asyncio.to_thread(self._take_requests, request_queue, room)
+        if not items:
+            return
+        claimed = {"event": "claimed", "worker": lit_api.index, "pid": os.getpid()}
+        for queue_id, uid, _, _ in items:
+            self.response_queue_ids[uid] = queue_id
+            self.put_response(transport, queue_id, uid, claimed, LitAPIStatus.OK, LoopResponseType.STREAMING)
+        prepared = await asyncio.to_thread(lit_api.prepare, [(uid, payload) for _, uid, _, payload in items])
+        self._send(transport, await asyncio.to_thread(lit_api.admit, prepared))
+        wake.set()
+
+    def _take_requests(self, request_queue, room: int) -> list:
+        """Block up to IDLE_WAIT_S for one request, then take others already queued while there is room."""
+        items, item = [], self.get_request(request_queue, timeout=IDLE_WAIT_S)
+        while item is not None:
+            if len(item) == 4 and item[1] is not None:  # not LitServe's shutdown sentinel
+                items.append(item)
+                room -= _choices(item[3])
+            if room <= 0:
+                break
+            item = self.get_request(request_queue, block=False)
+        return items
+
+    # -- steps ------------------------------------------------------------------------------------
+    async def run(
+        self, lit_api, device, worker_id, request_queue, transport, workers_setup_status, callback_runner
+    ) -> None:
+        wake, stepped = self._events()
+        if not lit_api.has_active_requests():
+            await self._probe_if_sick(lit_api)
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), IDLE_WAIT_S)
+            wake.clear()
+            return
+        try:
+            events = await asyncio.to_thread(lit_api.step)
+            lit_api.step_failed(False)
+        except Exception:
+            logger.exception("engine step failed; failing the requests in flight")
+            lit_api.step_failed(True)
+            events = lit_api.fail_all()
+        self._send(transport, events)
+        stepped.set()
+
+    async def _probe_if_sick(self, lit_api) -> None:
+        status = lit_api.state.worker(lit_api.index)
+        if not status.failed_steps or time.monotonic() - self._probed_at < PROBE_S:
+            return
+        self._probed_at = time.monotonic()
+        try:
+            await asyncio.to_thread(lit_api.probe)
+            lit_api.step_failed(False)
+            logger.info("worker %d: an empty step succeeded; healthy again", lit_api.index)
+        except Exception:
+            logger.exception("worker %d: an empty step failed too", lit_api.index)
+            lit_api.step_failed(True)
+
+    def _send(self, transport, events: list) -> None:
+        for uid, message, finished in events:
+            queue_id = self.response_queue_ids.get(uid)
+            if queue_id is None:
+                continue
+            status = LitAPIStatus.FINISH_STREAMING if finished else LitAPIStatus.OK
+            self.put_response(transport, queue_id, uid, message, status, LoopResponseType.STREAMING)
+            if finished:
+                del self.response_queue_ids[uid]
+
+
+def _choices(payload: dict) -> int:
+    return len(payload.get("prompts", ())) * payload.get("n", 1) or 1

@@ -1,0 +1,130 @@
+"""What the processes of `thunder-batch serve` share, in shared memory: no helper process to lose.
+
+- per inference worker: its pid, whether its engine is ready, consecutive failed steps, whether it
+  lost LitServe's request queue, and its running / waiting counts (for /health and /metrics);
+- per HTTP process: the requests (choices) it accepted and has not finished (backpressure, drain);
+- per worker: its engine counters as JSON (what /stats shows, without a round trip to a busy worker);
+- whether the server is draining.
+Made in the main process before any child starts: the spawned workers receive it pickled with the
+LitAPI, the forked HTTP processes inherit it. Each row has one writer, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from dataclasses import dataclass
+
+UNHEALTHY_AFTER_FAILED_STEPS = 3
+_FIELDS = ("pid", "ready", "failed_steps", "queue_lost", "running", "waiting")
+_STATS_BYTES = 1 << 16  # room for one worker's counters as JSON
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    index: int
+    pid: int
+    ready: bool
+    failed_steps: int
+    queue_lost: bool
+    running: int
+    waiting: int
+
+    @property
+    def alive(self) -> bool:
+        return self.pid > 0 and process_alive(self.pid)
+
+    def problem(self) -> str | None:
+        """Why this worker cannot serve now, or None."""
+        if not self.ready or not self.alive:
+            return f"worker {self.index} is starting (or restarting after it stopped)"
+        if self.failed_steps >= UNHEALTHY_AFTER_FAILED_STEPS:
+            return f"worker {self.index}: its last {self.failed_steps} steps failed"
+        if self.queue_lost:
+            return f"worker {self.index} lost LitServe's request queue (its manager process is gone)"
+        return None
+
+
+class SharedState:
+    def __init__(self, workers: int, http_processes: int) -> None:
+        self.workers, self.http_processes = workers, http_processes
+        self._rows = mp.RawArray("q", workers * len(_FIELDS))
+        self._in_flight = mp.RawArray("q", http_processes)
+        self._draining = mp.RawValue("b", 0)
+        self._stats = mp.RawArray("c", workers * _STATS_BYTES)
+        self._stats_seq = mp.RawArray("q", workers)  # odd while its writer is writing
+
+    # -- workers (each writes its own row) -------------------------------------------------------
+    def set_worker(self, index: int, **fields) -> None:
+        for name, value in fields.items():
+            self._rows[index * len(_FIELDS) + _FIELDS.index(name)] = int(value)
+
+    def worker(self, index: int) -> WorkerStatus:
+        row = self._rows[index * len(_FIELDS) : (index + 1) * len(_FIELDS)]
+        values = dict(zip(_FIELDS, row))
+        return WorkerStatus(
+            index,
+            values["pid"],
+            bool(values["ready"]),
+            values["failed_steps"],
+            bool(values["queue_lost"]),
+            values["running"],
+            values["waiting"],
+        )
+
+    def all_workers(self) -> list[WorkerStatus]:
+        return [self.worker(i) for i in range(self.workers)]
+
+    def publish(self, index: int, stats: dict) -> None:
+        data = json.dumps(stats, default=str).encode()
+        if len(data) > _STATS_BYTES - 8:
+            data = json.dumps({"error": f"stats of {len(data)} bytes do not fit"}).encode()
+        base, seq = index * _STATS_BYTES, self._stats_seq[index]
+        seq += 1 - seq % 2  # odd while writing (still odd if a dead writer left it so)
+        self._stats_seq[index] = seq
+        self._stats[base : base + 8] = len(data).to_bytes(8, "little")
+        self._stats[base + 8 : base + 8 + len(data)] = data
+        self._stats_seq[index] = seq + 1
+
+    def published(self, index: int) -> dict:
+        """The counters worker `index` published last ({} before its first)."""
+        base = index * _STATS_BYTES
+        for _ in range(10_000):  # a seqlock: retry a read that overlapped a write
+            seq = self._stats_seq[index]
+            size = int.from_bytes(self._stats[base : base + 8], "little")
+            data = self._stats[base + 8 : base + 8 + size]
+            if seq % 2 == 0 and self._stats_seq[index] == seq:
+                return json.loads(data) if size else {}
+        return {}  # its writer died mid-write
+
+    # -- HTTP processes (each writes its own count) ----------------------------------------------
+    def add_in_flight(self, http_index: int, n: int) -> None:
+        self._in_flight[http_index] += n
+
+    def in_flight(self) -> int:
+        """Choices accepted by every HTTP process and not yet finished."""
+        return sum(self._in_flight)
+
+    # -- draining (the main process writes it) ---------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return bool(self._draining.value)
+
+    def start_draining(self) -> None:
+        self._draining.value = 1
+
+
+def process_alive(pid: int) -> bool:
+    """Whether the process exists and is not a zombie waiting to be reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc: existence is all we can tell
