@@ -48,8 +48,11 @@ LLAMA_LAYOUT = dict(
     rope_adjustments=None,
     rope_condense_ratio=1,
     rope_interleave=False,
+    bias=False,  # litgpt's Llama copy function maps no linear biases
     attn_bias=False,
     lm_head_bias=False,
+    norm_1=True,
+    norm_2=True,
     norm_qk=False,
     post_attention_norm=False,
     post_mlp_norm=False,
@@ -116,8 +119,6 @@ def hf_config(config):
             head_dim=config.head_size,
             rms_norm_eps=config.norm_eps,
             rope_parameters=rope,
-            attention_bias=config.bias,
-            mlp_bias=config.bias,
         )
     act = {"none": "gelu", "tanh": "gelu_pytorch_tanh"}[config.gelu_approximate]
     return GPTNeoXConfig(
