@@ -156,6 +156,37 @@ def test_every_named_config_is_accepted():
     assert sum(len(names) for names in FAMILIES.values()) == len(litgpt_configs)
 
 
+def test_thunder_runs_the_grouped_matmul_where_torch_and_inductor_do():
+    """The compat fix: Thunder's torch executor claims `_grouped_mm` in any dtype (with int32 group
+    ends), its torchcompile executor in bfloat16 only; applying it again changes nothing."""
+    from thunder_batch._compat import import_thunder, patch_thunder_grouped_mm
+
+    import_thunder()
+    assert patch_thunder_grouped_mm() == []
+    import thunder.torch as ltorch
+    from thunder.executors import torch_compile, torchex
+
+    def claims(executor, dtype) -> bool:
+        a, b = torch.zeros(4, 16, dtype=dtype), torch.zeros(2, 16, 16, dtype=dtype)
+        trace = thunder_trace(lambda a, b, ends: torch._grouped_mm(a, b, ends), a, b, torch.tensor([1, 4]).int())
+        bsym = next(b for b in trace.bound_symbols if b.sym.id == ltorch._grouped_mm.id)
+        return executor.can_execute(bsym)
+
+    assert claims(torchex.ex, torch.float32) and claims(torchex.ex, torch.bfloat16)
+    assert claims(torch_compile.torch_compile_ex, torch.bfloat16)
+    assert not claims(torch_compile.torch_compile_ex, torch.float32)
+
+
+def thunder_trace(fn, *args):
+    """Thunder's first (unclaimed) trace of `fn` on `args`."""
+    from thunder_batch._compat import import_thunder
+
+    thunder = import_thunder()
+    jitted = thunder.jit(fn)
+    jitted(*args)
+    return thunder.last_traces(jitted)[0]
+
+
 def test_latent_attention_is_refused_before_any_step():
     latent = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
     config = shrunk_config("Llama-3.1-8B", n_query_groups=4, latent_attention=latent)
