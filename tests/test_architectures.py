@@ -137,6 +137,27 @@ def test_every_moe_layout_equals_litgpts_moe(case, dtype):
             torch.testing.assert_close(module(x[:rows]), want, **tolerance, msg=f"{layout} at {rows} rows")
 
 
+@torch.no_grad()
+def test_stacked_experts_leave_the_callers_model_as_it_was_and_share_its_weights():
+    """Invariant 14 for an MoE model: the experts' weights move into one stack per layer (same Parameter
+    objects, values and layout: litgpt's own forward is bit-identical), and an in-place edit of an
+    expert's weight still reaches the engine."""
+    gpt = tiny_family_gpt(config_for("Qwen3-30B-A3B"))
+    prompt = mixed_prompts(1, [9])[0]
+    params, state = list(gpt.parameters()), {k: v.clone() for k, v in gpt.state_dict().items()}
+    forward_before = gpt(torch.tensor([prompt]))
+    engine = Engine(gpt, EngineConfig(compile="eager", **ENGINE_CONFIG))
+    first = engine.generate([prompt], SamplingParams(max_new_tokens=4))
+    assert list(gpt.parameters()) == params and all(torch.equal(v, gpt.state_dict()[k]) for k, v in state.items())
+    assert torch.equal(gpt(torch.tensor([prompt])), forward_before)
+    for block in gpt.transformer.h:
+        for expert in block.mlp.experts:
+            expert.proj.weight.mul_(-1)  # every expert's output flips sign
+    second = engine.generate([prompt], SamplingParams(max_new_tokens=4))
+    assert first[0].token_ids != second[0].token_ids
+    assert_litgpt_greedy(gpt, [prompt], second)
+
+
 def test_layout_follows_shapes_only():
     """grouped wherever torch runs it; else gathered while the rows' expert choices are fewer than the
     experts, dense from there on."""

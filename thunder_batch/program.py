@@ -121,7 +121,8 @@ class StepProgram(nn.Module):
     """All pieces of one step for a GPT, with B slots of `max_seq_length` cache each; calling it runs them
     in order. lane_len: rows per prefill lane (the prefill chunk C). The program owns the slot caches
     (one per layer, with scratch room for padding: see SlotKVCache) and its RoPE tables; the GPT's
-    weights are shared, never copied, and the GPT itself is left as it was."""
+    weights are shared, never copied (an MoE layer's expert weights move into its stack: the same
+    Parameters and values, see moe.py), and the GPT itself is left as it was."""
 
     def __init__(self, gpt: nn.Module, batch_size: int, max_seq_length: int, lane_len: int = 1) -> None:
         super().__init__()
