@@ -23,7 +23,7 @@ FORMAT_VERSION = 3
 ENV_VAR = "THUNDER_BATCH_CACHE_DIR"
 DEFAULT_ROOT = "compile_cache"
 # Modules whose source the step program runs: editing any of them invalidates every entry.
-PROGRAM_MODULES = ("program", "model", "sampler", "kv_cache", "index_ops", "compile.inplace", "compile.kernels")
+PROGRAM_MODULES = ("program", "model", "moe", "sampler", "kv_cache", "index_ops", "compile.inplace", "compile.kernels")
 PROGRAM_FILES = ("kernels/packed_linear.cpp",)  # the native kernels the project's executor runs
 
 
