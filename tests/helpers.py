@@ -71,3 +71,18 @@ def mixed_prompts(n: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
 
 
 ENGINE_CONFIG = dict(batch_size=4, max_seq_length=64, prefill_chunk=8)
+
+
+def defaults_without_fusion(real):
+    """The default executors minus the Inductor fusion: what in-process test engines run unless a test
+    is marked `fusion` (conftest); a test's subprocess that must match them installs it too, with
+    `use_defaults_without_fusion()`."""
+    from thunder_batch.compile.fusion import EXECUTOR
+
+    return lambda: [ex for ex in real() if ex.name != EXECUTOR]
+
+
+def use_defaults_without_fusion() -> None:
+    from thunder_batch.compile import executors
+
+    executors.default_executors = defaults_without_fusion(executors.default_executors)
