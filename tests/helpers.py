@@ -201,3 +201,18 @@ def assert_litgpt_greedy(gpt, prompts: list[list[int]], results, logprob_atol: f
             raise AssertionError(f"prompt of {len(prompt)}: output token {first} differs from litgpt's greedy choice")
         want_logprob = torch.log_softmax(logits, -1).gather(1, want.unsqueeze(1)).squeeze(1)
         torch.testing.assert_close(torch.tensor(result.logprobs), want_logprob, rtol=0, atol=logprob_atol)
+
+
+def defaults_without_fusion(real):
+    """The default executors minus the Inductor fusion: what in-process test engines run unless a test
+    is marked `fusion` (conftest); a test's subprocess that must match them installs it too, with
+    `use_defaults_without_fusion()`."""
+    from thunder_batch.compile.fusion import EXECUTOR
+
+    return lambda: [ex for ex in real() if ex.name != EXECUTOR]
+
+
+def use_defaults_without_fusion() -> None:
+    from thunder_batch.compile import executors
+
+    executors.default_executors = defaults_without_fusion(executors.default_executors)
