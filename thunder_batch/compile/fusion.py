@@ -40,6 +40,8 @@ NOT_FUSED = {
     "scaled_dot_product_attention",
     "linear",
     "matmul",
+    "bmm",
+    "_grouped_mm",  # the MoE step's grouped matmul: Inductor's meta for it takes bfloat16 only
 }  # by op name: a torch symbol, or a prim of the same name it decomposes into
 _artifact_dir: contextvars.ContextVar[Path | None] = contextvars.ContextVar("artifact_dir", default=None)
 _reference: contextvars.ContextVar[bool] = contextvars.ContextVar("reference", default=False)
