@@ -154,7 +154,6 @@ def test_fresh_process_loads_bit_identical_outputs(traced):
     assert [list(map(list, o)) for o in traced["outputs"]] == loaded["outputs"]
     stats = loaded["stats"]
     assert (stats["cache_misses"], stats["traced"], stats["disk_cache_hits"]) == (1, 0, 4)  # loaded, not traced
-    assert stats["compile_seconds"] < 0.5 * traced["engine"].stats()["compile_seconds"]
 
 
 @torch.no_grad()

@@ -217,9 +217,18 @@ def _executor_class():
             super().__init__(name)
             self._implmap = {op: ImplInfo(checker=_on_cpu) for op in pytorch_ex.implmap if _fusable(op)}
 
+        def fusion_pass(self, trace):
+            self._written = written_aliases(trace.bound_symbols)
+            return super().fusion_pass(trace)
+
         def can_fuse(self, bsym) -> bool:
             # Thunder would otherwise fuse an op whose decomposition it can fuse (attention as matmuls).
-            return bsym.sym.name not in NOT_FUSED and super().can_fuse(bsym)
+            if bsym.sym.name in NOT_FUSED:
+                return False
+            # A read of a buffer written in place (the KV cache) stays an op in program order: the
+            # functional trace does not tie it to the write, and a region could run it before.
+            written = getattr(self, "_written", set())
+            return not any(p.name in written for p in bsym.flat_proxy_args) and super().can_fuse(bsym)
 
         def fuse(self, region, fusion_counter: int):
             from thunder.core.proxies import unvariableify
@@ -233,6 +242,52 @@ def _executor_class():
             return BoundSymbol(symbol, inputs, {}, outputs, region.bound_symbols, _call_ctx={name: fused})
 
     return InductorFusionExecutor
+
+
+# Ops whose output may alias their first input (a view of it).
+VIEW_OPS = {
+    "view",
+    "reshape",
+    "getitem",
+    "slice",
+    "slice_prim",
+    "transpose",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "narrow",
+    "flatten",
+    "split",
+    "chunk",
+    "unflatten",
+    "movedim",
+    "contiguous",
+}
+
+
+def written_aliases(bound_symbols) -> set[str]:
+    """Names of the proxies that alias a tensor some `copy_` writes in place (through views either way)."""
+    root: dict[str, str] = {}
+
+    def find(name: str) -> str:
+        while root.get(name, name) != name:
+            name = root[name]
+        return name
+
+    for bsym in bound_symbols:
+        name, args = bsym.sym.name, bsym.flat_proxy_args
+        # update_aliases: Thunder's mark that its arguments and results are one storage
+        if (name in VIEW_OPS or name in ("update_aliases", "copy_")) and args:
+            base = find(args[-1].name if name == "copy_" else args[0].name)
+            for other in (*args, *bsym.flat_proxy_outs) if name != "copy_" else bsym.flat_proxy_outs:
+                if find(other.name) != base:
+                    root[find(other.name)] = base
+    targets = {
+        find(b.flat_proxy_args[1].name) for b in bound_symbols if b.sym.name == "copy_" and len(b.flat_proxy_args) > 1
+    }
+    names = {p.name for b in bound_symbols for p in (*b.flat_proxy_args, *b.flat_proxy_outs)}
+    return {n for n in names if find(n) in targets}
 
 
 def _on_cpu(*args, **kwargs) -> bool:
