@@ -254,4 +254,3 @@ def longest_token_chars(tokenizer) -> int:
     if hasattr(processor, "id_to_piece"):  # sentencepiece
         return max((len(processor.id_to_piece(i)) for i in range(processor.get_piece_size())), default=0)
     return 0
-

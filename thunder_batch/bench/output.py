@@ -46,6 +46,7 @@ def results_table(result: dict):
         "host %",
         "FLOP/s % peak",
         "x seq",
+        "x hf",
         "greedy tokens",
     ]
     for col in columns:
@@ -69,6 +70,7 @@ def results_table(result: dict):
             "-" if "host" not in m else f"{100 * m['host']['share']:.1f}",
             _f(100 * m["peak_matmul_fraction"]),
             _f(m.get("speedup", {}).get("vs_litgpt_sequential"), 2),
+            _f(m.get("speedup", {}).get("vs_hf"), 2),
             _check(m),
         )
     return table
@@ -134,6 +136,8 @@ def print_report(result: dict, file=None) -> None:
             f"x seq: over litgpt-sequential {base['precision']} ({base['output_tokens_per_s']:.1f} tok/s, "
             "its fastest precision)"
         )
+    if any("vs_hf" in m.get("speedup", {}) for m in result["runs"]):
+        console.print("x hf: over the fastest Hugging Face transformers peer at the same B and precision")
     for m in result["runs"]:
         for note in m.get("notes", []):
             console.print(f"note ({m['system']} {m['precision']} B={m['batch_size']}): {note}")

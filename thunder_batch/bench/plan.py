@@ -22,6 +22,8 @@ ALL_SYSTEMS = (
     "thunder-torch",
     "thunder-torchcompile",
     "thunder-nvfuser",
+    "hf-transformers",
+    "hf-transformers-compile",
 )
 PRECISIONS = ("float32", "bfloat16", "float16")
 SEQUENTIAL = "litgpt-sequential"

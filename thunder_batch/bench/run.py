@@ -1,9 +1,9 @@
-"""The benchmark: the engine against litgpt's own loops, same prompts, same weights, one run.
+"""The benchmark: the engine against litgpt's own loops and transformers, same prompts, same weights, one run.
 
-Workloads live in `workloads`, litgpt's loops in `baselines`, the engine runs in `engine_runs` (all three
-follow `system`); which (system, precision, B) runs are made in `plan`; numbers, checks and targets in
-`report` (over `metrics`); the table and plot in `output`. This module runs it all (`run_benchmark`);
-the `thunder-batch bench` command (cli.bench) loads the model and calls it.
+Workloads live in `workloads`, litgpt's loops in `baselines`, transformers in `hf_transformers`, the engine
+runs in `engine_runs` (all follow `system`); which (system, precision, B) runs are made in `plan`; numbers,
+checks and targets in `report` (over `metrics`); the table and plot in `output`. This module runs it all
+(`run_benchmark`); the `thunder-batch bench` command (cli.bench) loads the model and calls it.
 """
 
 from __future__ import annotations
@@ -25,12 +25,18 @@ __all__ = ["ALL_SYSTEMS", "parse_batch_sizes", "parse_precisions", "parse_system
 
 
 def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
-    """system -> why it cannot run here (missing executor, or offline-only baseline in an online run)."""
+    """system -> why it cannot run here (missing executor or package, or offline-only peer in an online run)."""
     from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
+    from thunder_batch.bench.hf_transformers import HF_SYSTEMS
+    from thunder_batch.bench.hf_transformers import unavailable as hf_unavailable
 
     skipped = {}
     if online and "litgpt-batched" in systems:
         skipped["litgpt-batched"] = "batched_generate_fn has no arrivals: offline workloads only"
+    for s in [s for s in systems if s in HF_SYSTEMS]:
+        why = "static batches have no arrivals: offline workloads only" if online else hf_unavailable()
+        if why:
+            skipped[s] = why
     thunder = [s for s in systems if s.startswith("thunder-")]
     if thunder:
         from thunder_batch.compile.executors import executor_availability
@@ -45,12 +51,14 @@ def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
 
 def run_system(name: str, gpt, workload, batch_size: int | None, ctx):
     """One system on the workload (module-level so tests can wrap it)."""
-    from thunder_batch.bench import baselines, engine_runs
+    from thunder_batch.bench import baselines, engine_runs, hf_transformers
 
     if name == "litgpt-sequential":
         return baselines.run_litgpt_sequential(gpt, workload, ctx)
     if name == "litgpt-batched":
         return baselines.run_litgpt_batched(gpt, workload, batch_size, ctx)
+    if name in hf_transformers.HF_SYSTEMS:
+        return hf_transformers.run_transformers(gpt, workload, name, batch_size, ctx)
     return engine_runs.run_engine(gpt, workload, name, batch_size, ctx)
 
 
@@ -201,9 +209,14 @@ def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_labe
         token_reference=reference,
         speedup_vs_litgpt_sequential=table,
         litgpt_sequential_baseline=baseline,
-        targets=report.targets(metrics),
+        targets=report.targets(metrics, equal_outputs=equal_outputs(workload, ctx)),
         skipped=skipped,
     )
+
+
+def equal_outputs(workload, ctx) -> bool:
+    """Every request makes exactly the same number of tokens (EOS ignored, one limit for all)."""
+    return ctx.ignore_eos and len({r.max_new_tokens for r in workload}) == 1
 
 
 def emit(result: dict, opts: dict) -> None:

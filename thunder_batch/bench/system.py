@@ -1,6 +1,7 @@
 """What every benchmarked system shares: a BenchContext in, a SystemRun out, run on a fresh_model copy.
 
-A system is litgpt's own loop (`baselines`) or the engine in one compile mode (`engine_runs`).
+A system is litgpt's own loop (`baselines`), Hugging Face transformers (`hf_transformers`) or the engine in one
+compile mode (`engine_runs`).
 """
 
 from __future__ import annotations

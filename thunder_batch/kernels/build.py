@@ -1,14 +1,20 @@
 """Build and load the native kernels once per machine (torch's C++ extension builder, g++ and ninja).
 
 The build lands in torch's extension dir ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions),
-keyed by the source, so a later process loads it in milliseconds. On a CPU without AVX-512, or a
-machine without a compiler, `unavailable()` says why and callers keep torch's own kernels.
+named by a hash of the source and flags, so a later process loads it in milliseconds. On a CPU
+without AVX-512, or a machine without a compiler, `unavailable()` says why and callers keep torch's
+own kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -16,6 +22,9 @@ import torch
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 # -fopenmp: torch's own libgomp has the same soname, so the kernels share its OpenMP thread pool.
 FLAGS = ["-O3", "-mavx512f", "-fopenmp"]
+# torch's builder waits, forever, while this file exists in the build dir; a build killed midway
+# (Ctrl-C, a timeout) leaves it behind.
+TORCH_BATON = "lock"
 
 
 def cpu_flags() -> set[str]:
@@ -27,21 +36,46 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def build_name() -> str:
+    """Named by content: processes running the same source (from any checkout) share one build."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode()).hexdigest()[:16]
+    return f"thunder_batch_kernels_{digest}"
+
+
+@contextlib.contextmanager
+def locked_build_dir(build_dir: Path) -> Iterator[Path]:
+    """Hold the build dir for this process alone; the OS releases the lock however the process ends.
+
+    Holding it, no build of ours is running elsewhere, so torch's baton, if present, is stale.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "thunder_batch.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / TORCH_BATON).unlink(missing_ok=True)
+        yield build_dir
+
+
 @functools.cache
 def unavailable() -> str | None:
     """Why the kernels cannot run here, or None once they are built and loaded (once per process)."""
     if "avx512f" not in cpu_flags():
         return "this CPU has no AVX-512F"
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        load(
-            name="thunder_batch_kernels",
-            sources=[str(SOURCE)],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        name = build_name()
+        with locked_build_dir(Path(_get_build_directory(name, verbose=False))) as build_dir:
+            source = build_dir / SOURCE.name  # built from a copy: a checkout's edits never race a build
+            if not source.exists():
+                shutil.copyfile(SOURCE, source)
+            load(
+                name=name,
+                sources=[str(source)],
+                build_directory=str(build_dir),
+                extra_cflags=FLAGS,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
     except Exception as e:  # no compiler, no ninja, a build error: torch's kernels stay
         print(f"thunder_batch: native kernels not built ({type(e).__name__}: {e})", file=sys.stderr)
         return f"build failed: {type(e).__name__}: {str(e)[:200]}"

@@ -1,0 +1,47 @@
+"""The native CPU kernels: exact against torch's linear, and a build that a killed build never blocks."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from thunder_batch.kernels import build
+
+
+def test_a_killed_build_leaves_no_lasting_lock(tmp_path):
+    """torch's builder waits forever on the baton file a killed build leaves; ours clears it first."""
+    build_dir = tmp_path / "py_cpu" / build.build_name()
+    build_dir.mkdir(parents=True)
+    (build_dir / build.TORCH_BATON).touch()  # what a build killed midway leaves behind
+    with build.locked_build_dir(build_dir):
+        assert not (build_dir / build.TORCH_BATON).exists()
+    assert (build_dir / "thunder_batch.flock").exists()
+
+
+@pytest.mark.skipif("avx512f" not in build.cpu_flags(), reason="the kernels need AVX-512F")
+def test_a_fresh_process_builds_past_a_stale_baton(tmp_path):
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    ask = f"from torch.utils.cpp_extension import _get_build_directory as g; print(g({build.build_name()!r}, False))"
+    where = [sys.executable, "-c", ask]
+    build_dir = subprocess.run(where, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert build_dir.startswith(str(tmp_path))
+    os.makedirs(build_dir, exist_ok=True)  # torch makes it when asked where it is
+    open(os.path.join(build_dir, build.TORCH_BATON), "w").close()
+    run = [sys.executable, "-c", "from thunder_batch.kernels.build import unavailable; print(unavailable())"]
+    done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "None", done.stderr[-2000:]
+
+
+@pytest.mark.skipif("avx512f" not in build.cpu_flags(), reason="the kernels need AVX-512F")
+@pytest.mark.parametrize("rows,out_features,bias", [(1, 48, True), (5, 37, False), (16, 16, True)])
+def test_packed_linear_matches_torch(rows, out_features, bias):
+    assert build.unavailable() is None
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, 64, generator=g)  # [batch, rows, in]
+    w = torch.randn(out_features, 64, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    got = build.packed_linear(x, build.pack_linear_weight(w), b, out_features)
+    assert got.shape == (2, rows, out_features)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
