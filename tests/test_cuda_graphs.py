@@ -28,7 +28,9 @@ needs_cuda = pytest.mark.skipif(
 SHAPE = dict(batch_size=2, max_seq_length=32, prefill_chunk=4)  # two step shapes: decode only, 2 lanes of 4
 LENGTHS = [1, 3, 6, 9, 2]  # 5 prompts through 2 slots: slots reused, prompts chunked and padded
 # Greedy, sampled with top-k, sampled without filtering: three head variants.
-PARAMS = [SamplingParams(max_new_tokens=5, temperature=t, top_k=k, seed=7) for t, k in ((0, None), (0.9, 5), (0.7, None))]
+PARAMS = [
+    SamplingParams(max_new_tokens=5, temperature=t, top_k=k, seed=7) for t, k in ((0, None), (0.9, 5), (0.7, None))
+]
 
 
 class RecordedGraph:
