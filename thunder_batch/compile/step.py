@@ -82,7 +82,7 @@ def _load_or_compile(program: StepProgram, config: EngineConfig) -> Callable:
         config,
         compile_options(config),
         lambda: describe_options(config),
-        EntryStore(resolve_root(config.cache_dir)),
+        EntryStore(resolve_root(config.cache_dir), next(program.parameters()).device),
     )
 
 
