@@ -20,8 +20,8 @@ def compile_options(config: EngineConfig) -> dict:
         options["executors"] = default_executors()
     else:
         options["executors"] = resolve_executors(config.executors)
-        if "nvfuser" in config.executors:
-            options["nv_enable_scatter"] = True  # lets nvFuser claim the KV cache scatter and the gathers
+    if any(getattr(ex, "name", ex) == "nvfuser" for ex in options["executors"]):  # named, or among the defaults
+        options["nv_enable_scatter"] = True  # lets nvFuser claim the KV cache scatter and the gathers
     from thunder_batch.compile.inplace import make_transform
 
     options["transforms"] = [make_transform()]  # KV cache writes in place, not two whole-cache copies
