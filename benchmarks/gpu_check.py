@@ -72,7 +72,7 @@ def load_model(layers: int | None, device: str):
     from thunder_batch.bench.parity import random_weights
     from thunder_batch.checkpoints import DEFAULT_MODEL_NAME, default_checkpoint_dir, load_checkpoint
 
-    why = f"cut to {layers} layers (GPU_CHECK_LAYERS)" if layers else None
+    why = f"cut to {layers} layer(s) (GPU_CHECK_LAYERS)" if layers else None
     if why is None:
         try:
             gpt, tokenizer, _ = load_checkpoint(default_checkpoint_dir(), torch.float32, device)
