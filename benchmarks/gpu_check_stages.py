@@ -133,6 +133,8 @@ def run_fusions(report, gpt, device: str, thunder: Engine | None) -> None:
     nvfuser_missing = executor_availability()["nvfuser"]
     executor = "torchcompile" if nvfuser_missing else "nvfuser"
     section["nvfuser"] = nvfuser_missing or "available"
+    if not report.has_time(2 * report.compile_estimate(1), f"fusions: {executor}"):  # torch.compile: slower
+        return
     with report.stage(f"fusions: {executor}"):
         config = EngineConfig(executors=(executor, "sdpa", "torch"), batch_size=4, max_seq_length=64, prefill_chunk=1)
         engine = Engine(copy.deepcopy(gpt), config)
