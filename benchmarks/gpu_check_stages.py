@@ -119,8 +119,8 @@ def run_fusions(report, gpt, device: str, thunder: Engine | None) -> None:
     """Fusion regions of the default compile (the Thunder parity engine's traces) and, on CUDA, of a
     decode-only engine (one step shape) on the fusing executor that is there: nvFuser, else torch.compile."""
     from thunder_batch.compile.executors import executor_availability
-    from thunder_batch.compile.fusions import fusion_line, fusion_summary
     from thunder_batch.compile.step import execution_traces
+    from thunder_batch.compile.trace_fusions import fusion_line, fusion_summary
 
     section = report.data.setdefault("fusions", {"lines": {}})
     if thunder is not None:

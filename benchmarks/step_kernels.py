@@ -28,6 +28,7 @@ SYSTEMS = {  # name -> (compile, executors)
     "thunder-torchcompile": ("thunder", ("torchcompile", "torch")),
     "thunder-kernels": ("thunder", ("thunder_batch", "torch")),
     "thunder-kernels-torchcompile": ("thunder", ("thunder_batch", "torchcompile", "torch")),
+    "thunder-inductor": ("thunder", ("thunder_batch", "sdpa", "inductor", "torch")),
 }
 LINEAR_OPS = ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise", "thunder_batch::packed_linear")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import ENGINE_CONFIG, FAMILY_CONFIGS, tiny_gpt
+from helpers import ENGINE_CONFIG, FAMILY_CONFIGS, defaults_without_fusion, tiny_gpt
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -21,6 +21,28 @@ def fresh_compile_cache(tmp_path_factory):
         os.environ.pop("THUNDER_BATCH_CACHE_DIR")
     else:
         os.environ["THUNDER_BATCH_CACHE_DIR"] = previous
+
+
+@pytest.fixture(autouse=True, scope="session")
+def real_default_executors():
+    """In-process engines with the default executors run without the Inductor fusion (session-wide, so
+    module and session fixtures' engines too) unless the test is marked `fusion`: its subject is not the
+    executor, and compiling regions costs seconds each on this CPU. Subprocesses (the CLI, the server)
+    run the real defaults. Yields the real `default_executors`."""
+    from thunder_batch.compile import executors
+
+    real = executors.default_executors
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(executors, "default_executors", defaults_without_fusion(real))
+        yield real
+
+
+@pytest.fixture(autouse=True)
+def fusion_when_marked(request, monkeypatch, real_default_executors):
+    if request.node.get_closest_marker("fusion"):
+        from thunder_batch.compile import executors
+
+        monkeypatch.setattr(executors, "default_executors", real_default_executors)
 
 
 @pytest.fixture(scope="session")

@@ -365,12 +365,36 @@ def test_two_precisions_ratios_token_checks_and_targets_from_fake_runs():
     best = "thunder-torch bfloat16 B=2 (best)"
     assert rows[("output tok/s vs_litgpt_sequential", best)]["measured"] == pytest.approx(10.0)
     assert rows[("output tok/s vs_litgpt_sequential", best)]["met"] is False  # goal 12x
-    assert rows[("output tok/s vs_eager", best)]["goal"] == 1.25 and rows[("output tok/s vs_eager", best)]["met"]
+    assert rows[("output tok/s vs_eager", best)]["goal"] == 1.3 and rows[("output tok/s vs_eager", best)]["met"]
     assert rows[("output tok/s vs_eager", "thunder-torch float32 B=2")]["measured"] == pytest.approx(1.6)
     assert rows[("output tok/s vs_litgpt_batched", best)]["measured"] is None  # litgpt-batched did not run
     decode = rows[("decode FLOP/s / peak matmul at its precision", best)]
     assert decode["measured"] == pytest.approx(step_flops / 0.01 / 4e6) and decode["best"]
-    assert len(rows) == 7  # three ratios per (precision, B) with a Thunder run, one decode row
+    assert rows[("one request's decode tok/s (bf16, B=1)", "no Thunder run at B=1 in bf16")]["measured"] is None
+    assert len(rows) == 8  # three ratios per (precision, B) with a Thunder run, one decode row, one latency row
+
+
+def test_latency_and_compile_targets_read_the_decode_steps_and_the_compile_times():
+    from thunder_batch.bench import report
+
+    def run(precision, B, step_ms, compile_info=None):
+        return dict(
+            system="thunder-x",
+            precision=precision,
+            batch_size=B,
+            decode=dict(mean_step_ms=step_ms),
+            compile=compile_info,
+        )
+
+    cold = dict(cold_s=30.0, cold_per_shape_s={"a": 20.0, "b": 10.0}, warm_s=6.0)
+    metrics = [run("float32", 1, 10.0), run("bfloat16", 1, 25.0, cold), run("bfloat16", 8, 40.0)]
+    rows = {t["target"]: t for t in report.latency_and_compile_targets(metrics)}
+    single = rows["one request's decode tok/s (bf16, B=1)"]
+    assert single["measured"] == pytest.approx(40.0) and single["met"]  # 1000 / 25 ms; fp32's 10 ms is not bf16
+    per_shape = rows["cold compile s per step shape"]
+    assert per_shape["measured"] == pytest.approx(15.0) and per_shape["met"]  # 30 s over two shapes, at most 20
+    warm = rows["warm start / cold compile"]
+    assert warm["measured"] == pytest.approx(0.2) and warm["met"] is False  # at most 0.15
 
 
 def test_two_precision_run_end_to_end(tmp_path, capsys):

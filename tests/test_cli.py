@@ -45,8 +45,8 @@ EXPECTED_FLAGS = {
         "max_seq_length": "null",
         "prefill_chunk": "64",
         "cache_dir": "null",
-        "systems": "litgpt-sequential,litgpt-batched,eager,thunder-torch,thunder-torchcompile,thunder-nvfuser,"
-        "hf-transformers,hf-transformers-compile",
+        "systems": "litgpt-sequential,litgpt-batched,eager,thunder-default,thunder-torch,thunder-torchcompile,"
+        "thunder-nvfuser,hf-transformers,hf-transformers-compile",
         "precisions": "null",
     },
 }

@@ -140,6 +140,8 @@ def test_fresh_process_loads_bit_identical_outputs(traced):
         sys.path.insert(0, {str(TESTS_DIR)!r})
         from thunder_batch.compile.cache import CompileCacheWarning
         warnings.simplefilter("error", CompileCacheWarning)
+        from helpers import use_defaults_without_fusion
+        use_defaults_without_fusion()  # as in this process (conftest)
         from test_compile_cache import make_engine, outputs, PROMPTS, PARAMS
         engine = make_engine({str(traced["root"])!r})
         results = engine.generate(PROMPTS, PARAMS)
@@ -447,6 +449,8 @@ def test_two_engines_compiling_the_same_key_at_once(traced, tmp_path):
         sys.path.insert(0, {str(TESTS_DIR)!r})
         from thunder_batch.compile.cache import CompileCacheWarning
         warnings.simplefilter("error", CompileCacheWarning)
+        from helpers import use_defaults_without_fusion
+        use_defaults_without_fusion()  # as in this process (conftest)
         from test_compile_cache import make_engine, outputs, PROMPTS, PARAMS
         engine = make_engine({str(tmp_path)!r})
         print(json.dumps(dict(outputs=outputs(engine.generate(PROMPTS, PARAMS)))))

@@ -17,7 +17,8 @@ LAYERS = [
     ("pure Python", ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]),
     (
         "torch",
-        ["_compat", "index_ops", "kv_cache", "model", "sampler", "program", "checkpoints", "gguf_convert", "kernels"],
+        ["_compat", "index_ops", "kv_cache", "moe", "model", "sampler", "program", "checkpoints", "gguf_convert"]
+        + ["kernels"],
     ),
     ("thunder", ["compile"]),
     ("runner", ["runner"]),

@@ -1,8 +1,12 @@
-"""torch / Thunder compatibility, applied before `thunder` is imported.
+"""torch / Thunder compatibility, applied before `thunder` is imported (and one fix right after).
 
 torch 2.13 removed the named-tensor methods that Thunder 0.2.7's op table still lists
 (`Tensor.align_as`, ...). Thunder only needs the attributes to exist and to carry their own
 `__name__`; calling one raises, as named tensors are gone. Methods torch still has are left alone.
+
+Thunder 0.2.7 cannot run `torch._grouped_mm` (the mixture-of-experts step's grouped matmul): its
+torch executor's checker takes three arguments where the traced call passes five (a TypeError), and
+its torchcompile executor claims it in every dtype where Inductor takes bfloat16 only.
 """
 
 from __future__ import annotations
@@ -36,4 +40,34 @@ def import_thunder():
     patch_torch_for_thunder()
     import thunder
 
+    patch_thunder_grouped_mm()
     return thunder
+
+
+def patch_thunder_grouped_mm() -> list[str]:
+    """The torch executor runs `_grouped_mm` in whatever dtype torch itself does (the step uses it
+    only where a probe ran it); torchcompile takes it in bfloat16 only. Returns the executors patched."""
+    import thunder.torch as ltorch
+    from thunder.core import prims
+    from thunder.executors import torch_compile, torchex
+
+    patched = []
+    for executor, checker in ((torchex.ex, _torch_runs), (torch_compile.torch_compile_ex, _inductor_runs)):
+        for symbol in (getattr(ltorch, "_grouped_mm", None), getattr(prims, "_grouped_mm", None)):
+            impl = executor.implmap.get(getattr(symbol, "id", None))
+            if impl is not None and impl.checker is not checker:
+                impl.checker = checker
+                patched.append(executor.name)
+    return sorted(set(patched))
+
+
+def _torch_runs(a, b, offsets, *rest, **kwargs) -> bool:
+    from thunder.core import dtypes
+
+    return offsets is not None and offsets.dtype == dtypes.int32
+
+
+def _inductor_runs(a, b, offsets, *rest, **kwargs) -> bool:
+    from thunder.core import dtypes
+
+    return _torch_runs(a, b, offsets) and a.dtype == b.dtype == dtypes.bfloat16

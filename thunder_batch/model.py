@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from litgpt.model import apply_rope, apply_rope_interleave, do_softcapping
+from litgpt.model import apply_rope, apply_rope_interleave, do_softcapping, yarn_get_mscale
 
 from thunder_batch.index_ops import flat_rows, index_select_2d
 
@@ -27,18 +27,39 @@ def check_supported(config) -> None:
     """Refuse litgpt architectures this step does not implement, before anything is traced."""
     if config.latent_attention is not None:
         raise NotImplementedError(f"{config.name}: multi-head latent attention is not supported")
-    if config.rope_indices is not None:
-        raise NotImplementedError(f"{config.name}: per-layer dual RoPE (rope_indices) is not supported")
-    if config.n_expert:
-        raise NotImplementedError(f"{config.name}: mixture-of-experts MLPs are not supported")
+    if config.rope_indices is not None and config.rope_local_base_freq is None:
+        # litgpt builds the second (local) RoPE table only from rope_local_base_freq
+        raise ValueError(f"{config.name}: rope_indices needs rope_local_base_freq (the local layers' RoPE base)")
+
+
+def attention_scale(config) -> float:
+    """litgpt's softmax scale: 1/sqrt(attention_scores_scalar or head_size), times YaRN's mscale squared
+    (CausalSelfAttention.mscale: set by rope_adjustments' `factor` and `mscale_all_dim`)."""
+    scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
+    adjustments = config.rope_adjustments or {}
+    if adjustments.get("mscale_all_dim") and adjustments.get("factor"):  # YaRN, as litgpt's attention
+        mscale = yarn_get_mscale(adjustments["factor"], adjustments["mscale_all_dim"])
+        scale = scale * mscale * mscale
+    return scale
+
+
+def rope_table(config, block_idx: int) -> int | None:
+    """Which of the two RoPE tables layer `block_idx` reads (Gemma-3: 0 global, 1 local), or None when
+    the model has one. With two, litgpt's tables are `[S, n_elem, 2]` (build_rope_cache)."""
+    return None if config.rope_indices is None else config.rope_indices[block_idx]
+
+
+def layer_rope(cos: torch.Tensor, sin: torch.Tensor, table: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's cos/sin `[N, 1, n_elem]` from the step's (`[N, 1, n_elem]`, or `[N, 1, n_elem, 2]`)."""
+    return (cos, sin) if table is None else (cos[..., table], sin[..., table])
 
 
 class StepShared(NamedTuple):
     """What every block of one step reads besides x (K mask kinds: global, then sliding window if any).
     Passed to the blocks as plain tensors, in this order."""
 
-    cos: torch.Tensor  # [N, 1, n_elem] each row's RoPE (one head dim to broadcast over)
-    sin: torch.Tensor  # [N, 1, n_elem]
+    cos: torch.Tensor  # [N, 1, n_elem] each row's RoPE (one head dim to broadcast over); [..., 2] with
+    sin: torch.Tensor  # [N, 1, n_elem]   rope_indices: both tables, each block takes its own (layer_rope)
     kv_rows: torch.Tensor  # [N * G] rows each (row, K/V head) writes in a cache seen as [B * G * S', D]
     decode_mask: torch.Tensor  # [K, B, 1, 1, L] additive (0 / lowest) in the model dtype
     lane_slot: torch.Tensor  # [P] the slot each lane reads ([0]: a decode-only step)
@@ -55,13 +76,14 @@ def visibility_masks(input_pos: torch.Tensor, key_pos: torch.Tensor, config) -> 
 
 
 def step_inputs(gpt, rope: tuple, cache_shape, idx, input_pos, row_slot, key_pos, lane_len: int):
-    """x [N, C] and the StepShared tensors of one step. rope: (cos, sin) tables [S, n_elem];
+    """x [N, C] and the StepShared tensors of one step. rope: (cos, sin) tables [S, n_elem] ([S, n_elem, 2]
+    with rope_indices);
     cache_shape: every layer's cache [B, G, S', D]. Real positions are < S; padding carries a
     scratch position >= S (its RoPE row is any valid one: the result is never read)."""
     cfg = gpt.config
     B, N, L = cache_shape[0], idx.shape[0], key_pos.shape[0]
     rope_pos = torch.remainder(input_pos, rope[0].shape[0]).view(1, N)
-    cos, sin = (index_select_2d(table, 0, rope_pos).view(N, 1, -1) for table in rope)  # [N, 1, n_elem]
+    cos, sin = (index_select_2d(table, 0, rope_pos).view(N, 1, *table.shape[1:]) for table in rope)  # [N, 1, n_elem]
     x = gpt.transformer.wte(idx)  # [N, C]
     if cfg.scale_embeddings:
         x = x * torch.tensor(cfg.n_embd**0.5, dtype=x.dtype)
@@ -87,7 +109,7 @@ def grouped_attention(q, k, v, mask, config) -> torch.Tensor:
     B, H, T, D = q.shape
     G = k.shape[1]
     q = q.reshape(B, G, (H // G) * T, D)  # [B, G, (H/G)*T, D]
-    scale = 1.0 / math.sqrt(config.attention_scores_scalar or config.head_size)
+    scale = attention_scale(config)
     if config.attention_logit_softcapping is None:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
@@ -138,8 +160,9 @@ def slot_attention(q, cache_k, cache_v, shared: StepShared, kind: int, lane_len:
     return torch.cat((decode.view(B, H * D), lanes.reshape(P * lane_len, H * D)))
 
 
-def block_forward(block, cache, x, shared: StepShared, lane_len: int) -> torch.Tensor:
-    """litgpt Block.forward (both residual layouts) with our attention. x: [N, C]."""
+def block_forward(block, cache, x, shared: StepShared, lane_len: int, mlp=None) -> torch.Tensor:
+    """litgpt Block.forward (both residual layouts) with our attention. x: [N, C]; shared.cos/sin: the
+    layer's own; mlp: what runs in place of block.mlp on [N, C] rows (an MoE layer's StackedExperts)."""
     cfg = block.config
     kind = 1 if block.attn.apply_sliding_window_attention else 0
     x_normed = block.norm_1(x)
@@ -152,4 +175,5 @@ def block_forward(block, cache, x, shared: StepShared, lane_len: int) -> torch.T
     else:
         x = attention_output + x
         x_normed = block.norm_2(x)
-    return block.post_mlp_norm(block.mlp(x_normed)) + x
+    mlp = block.mlp if mlp is None else mlp
+    return block.post_mlp_norm(mlp(x_normed)) + x

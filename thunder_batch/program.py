@@ -16,12 +16,14 @@ from torch import nn
 
 from thunder_batch.config import MAX_LOGPROBS
 from thunder_batch.kv_cache import SlotKVCache, slot_caches
-from thunder_batch.model import StepShared, block_forward, step_inputs
+from thunder_batch.model import StepShared, block_forward, layer_rope, rope_table, step_inputs
+from thunder_batch.moe import fixed_shape_mlp
 from thunder_batch.sampler import batched_sample, greedy_sample, score_rows, top_logprobs
 
 
 def rope_tables(gpt: nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """litgpt's RoPE cos/sin for positions 0 .. length-1 ([length, n_elem] float32), computed afresh:
+    """litgpt's RoPE cos/sin for positions 0 .. length-1 ([length, n_elem] float32; [length, n_elem, 2],
+    global and local, with rope_indices), computed afresh:
     a position's row does not depend on the table's length, and the model's own tables stay as they are."""
     cos, sin = gpt.rope_cache(device=gpt.lm_head.weight.device)
     return cos[:length].clone(), sin[:length].clone()
@@ -46,16 +48,23 @@ class StepPrefix(nn.Module):
 
 
 class BlockStep(nn.Module):
-    """One transformer block with its own slot KV cache. x: [N, C] -> [N, C]; lanes of `lane_len` rows."""
+    """One transformer block with its own slot KV cache. x: [N, C] -> [N, C]; lanes of `lane_len` rows.
+
+    `rope_table` (Gemma-3: which RoPE table the layer reads) and `experts` (an MoE layer's stacked
+    experts) are the block's own attributes, so Thunder checks them: layers differing in them never
+    share a trace (litgpt's block_idx, which they follow from, is learned not to matter)."""
 
     def __init__(self, block: nn.Module, cache: SlotKVCache, lane_len: int) -> None:
         super().__init__()
         self.block, self.cache, self.lane_len = block, cache, lane_len
+        self.rope_table = rope_table(block.config, block.attn.block_idx)
+        self.experts = fixed_shape_mlp(block)
 
     def forward(self, x, cos, sin, kv_rows, decode_mask, lane_slot, lane_mask):
         # Argument names stay clear of the names Thunder's prologue gives submodules (m1, m2, ...).
+        cos, sin = layer_rope(cos, sin, self.rope_table)  # [N, 1, n_elem]: this layer's table
         shared = StepShared(cos, sin, kv_rows, decode_mask, lane_slot, lane_mask)
-        return block_forward(self.block, self.cache, x, shared, self.lane_len)
+        return block_forward(self.block, self.cache, x, shared, self.lane_len, self.experts)
 
 
 HEADS = ("filtered", "unfiltered", "greedy")  # the samplers; each head variant is one of them
@@ -112,7 +121,8 @@ class StepProgram(nn.Module):
     """All pieces of one step for a GPT, with B slots of `max_seq_length` cache each; calling it runs them
     in order. lane_len: rows per prefill lane (the prefill chunk C). The program owns the slot caches
     (one per layer, with scratch room for padding: see SlotKVCache) and its RoPE tables; the GPT's
-    weights are shared, never copied, and the GPT itself is left as it was."""
+    weights are shared, never copied (an MoE layer's expert weights move into its stack: the same
+    Parameters and values, see moe.py), and the GPT itself is left as it was."""
 
     def __init__(self, gpt: nn.Module, batch_size: int, max_seq_length: int, lane_len: int = 1) -> None:
         super().__init__()

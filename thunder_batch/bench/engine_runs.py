@@ -21,9 +21,11 @@ from thunder_batch.bench.system import BenchContext, SystemRun, fresh_model, pro
 from thunder_batch.bench.workloads import BenchRequest
 from thunder_batch.config import EngineConfig, SamplingParams
 
-# system name -> executors (None: eager). sdpa is listed so attention is not decomposed.
+# system name -> executors (None: eager; (): Thunder with the default executors, `executors=None`).
+# sdpa is listed so attention is not decomposed.
 ENGINE_SYSTEMS = {
     "eager": None,
+    "thunder-default": (),
     "thunder-torch": ("sdpa", "torch"),
     "thunder-torchcompile": ("torchcompile", "torch"),
     "thunder-nvfuser": ("nvfuser", "sdpa", "torch"),
@@ -81,7 +83,7 @@ def engine_config(system: str, batch_size: int, ctx: BenchContext, cache_dir: st
     executors = ENGINE_SYSTEMS[system]
     if executors is None:
         return EngineConfig(**shape, compile="eager")
-    return EngineConfig(**shape, compile="thunder", executors=executors, cache_dir=cache_dir)
+    return EngineConfig(**shape, compile="thunder", executors=executors or None, cache_dir=cache_dir)
 
 
 def build_engine(gpt, config: EngineConfig, ctx: BenchContext):

@@ -19,6 +19,7 @@ ALL_SYSTEMS = (
     "litgpt-sequential",
     "litgpt-batched",
     "eager",
+    "thunder-default",
     "thunder-torch",
     "thunder-torchcompile",
     "thunder-nvfuser",

@@ -16,7 +16,14 @@ from thunder_batch.versions import package_versions
 SEQUENTIAL, BATCHED, EAGER = "litgpt-sequential", "litgpt-batched", "eager"
 HF_PEERS = ("hf-transformers", "hf-transformers-compile")
 TARGETS = dict(
-    vs_litgpt_sequential=12.0, vs_litgpt_batched=2.0, vs_eager=1.25, decode_peak_fraction=0.4, admit_vs_decode_step=1.5
+    vs_litgpt_sequential=12.0,
+    vs_litgpt_batched=2.0,
+    vs_eager=1.3,
+    decode_peak_fraction=0.4,
+    admit_vs_decode_step=1.5,
+    one_request_decode_tok_s=35.0,  # bf16, B=1: the latency a single user sees
+    cold_s_per_shape=20.0,  # at most
+    warm_over_cold=0.15,  # at most: a second start loads what the first compiled
 )
 # Over Hugging Face transformers' static batches: equal-length outputs, mixed outputs (its batches wait for
 # their longest member), and the fastest Thunder run (at its B).
@@ -235,6 +242,33 @@ def targets(metrics: list[dict], equal_outputs: bool = False) -> list[dict]:
         )
     frac = best.get("full_decode", best.get("decode", {})).get("peak_matmul_fraction")
     rows.append(target_row(name, TARGETS["decode_peak_fraction"], frac, _where(best) + " (best)", True))
+    return rows + latency_and_compile_targets(thunder)
+
+
+def latency_and_compile_targets(thunder: list[dict]) -> list[dict]:
+    """One bf16 request's decode tok/s (the fastest Thunder run at B=1 in bf16), and the cold compile per
+    step shape and warm start over cold of each Thunder system's first run that measured them."""
+    rows = []
+    single = [m for m in thunder if m["batch_size"] == 1 and m["precision"] == "bfloat16" and m.get("decode")]
+    name = "one request's decode tok/s (bf16, B=1)"
+    if single:
+        top = min(single, key=lambda m: m["decode"]["mean_step_ms"])
+        rows.append(
+            target_row(name, TARGETS["one_request_decode_tok_s"], 1000 / top["decode"]["mean_step_ms"], _where(top))
+        )
+    else:
+        rows.append(target_row(name, TARGETS["one_request_decode_tok_s"], None, "no Thunder run at B=1 in bf16"))
+    for system in dict.fromkeys(m["system"] for m in thunder):
+        compiled = next((m for m in thunder if m["system"] == system and (m.get("compile") or {}).get("cold_s")), None)
+        if compiled is None:
+            continue
+        c, where = compiled["compile"], _where(compiled)
+        per_shape = c["cold_s"] / max(len(c.get("cold_per_shape_s") or {}), 1)
+        rows.append(
+            target_row("cold compile s per step shape", TARGETS["cold_s_per_shape"], per_shape, where, at_most=True)
+        )
+        warm = c.get("warm_s") / c["cold_s"] if c.get("warm_s") is not None else None
+        rows.append(target_row("warm start / cold compile", TARGETS["warm_over_cold"], warm, where, at_most=True))
     return rows
 
 

@@ -57,7 +57,8 @@ def bench(
         seed: Seed of the workload (lengths, random tokens, prompt order, arrival times).
         ignore_eos: Generate exactly each request's token limit, ignoring the end-of-sequence token.
         systems: Comma-separated systems to run, from litgpt-sequential, litgpt-batched, eager,
-            thunder-torch, thunder-torchcompile, thunder-nvfuser, hf-transformers, hf-transformers-compile
+            thunder-default (the engine's default executors), thunder-torch, thunder-torchcompile,
+            thunder-nvfuser, hf-transformers, hf-transformers-compile
             (Hugging Face transformers' generate on static batches; the `hf` extra). A system may be restricted to some
             precisions and batch sizes: `name@precision[/precision]:B[/B]`, e.g. "thunder-torch@float32:32"
             runs thunder-torch in float32 at B=32 only; a plain name runs every precision at every batch size.

@@ -26,7 +26,7 @@ FORMAT_VERSION = 3
 ENV_VAR = "THUNDER_BATCH_CACHE_DIR"
 DEFAULT_ROOT = "compile_cache"
 # Modules whose source the step program runs: editing any of them invalidates every entry.
-PROGRAM_MODULES = ("program", "model", "sampler", "kv_cache", "index_ops", "compile.inplace", "compile.kernels")
+PROGRAM_MODULES = ("program", "model", "moe", "sampler", "kv_cache", "index_ops", "compile.inplace", "compile.kernels")
 PROGRAM_FILES = ("kernels/packed_linear.cpp",)  # the native kernels the project's executor runs
 
 
@@ -147,10 +147,13 @@ def make_key(program, config, executors: tuple[str, ...], options: dict) -> Cach
     )
 
 
+def tensor_meta(t) -> list:
+    """What a key and a stored binding record of a tensor: shape, dtype, device type (not its index)."""
+    return [list(t.shape), str(t.dtype), t.device.type]
+
+
 def piece_key(base: CacheKey, piece: str, signature: str, args) -> CacheKey:
     """Key of one piece traced for call arguments `args` ([N, ...] first), from the program's key."""
-    from thunder_batch.compile.trace_export import tensor_meta
-
     return dataclasses.replace(
         base,
         piece=piece,
@@ -199,32 +202,36 @@ class EntryStore:
         return record
 
     def save(self, key: CacheKey, record: dict) -> bool:
-        """Write atomically (temp file + rename): readers and racing writers never see a torn entry."""
+        """Write atomically: readers and racing writers never see a torn entry."""
         if not self.writable:
             return False
         if "source" in record:
             record = dict(record, source=portable_source(record["source"]))
         body = dict(format=FORMAT_VERSION, key=dataclasses.asdict(key), created=time.time(), record=record)
         body["sha256"] = sha256(canonical_json(body))
+        self.writable = write_atomically(self.path(key), canonical_json(body).encode())
+        return self.writable
+
+
+def write_atomically(path: Path, data: bytes) -> bool:
+    """Write `data` to `path` through a temp file and a rename; False (with one warning) if it cannot."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key.digest()}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(canonical_json(body))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path(key))
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-        except OSError as e:
-            self.writable = False
-            warn(
-                f"compile cache dir {str(self.root)!r} is not writable ({e.strerror or e}); "
-                "programs stay in memory only"
-            )
-            return False
-        return True
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        warn(
+            f"compile cache dir {str(path.parent)!r} is not writable ({e.strerror or e}); programs stay in memory only"
+        )
+        return False
+    return True
 
 
 def unsafe_reason(path: Path, directory: bool) -> str | None:

@@ -1,9 +1,11 @@
-"""The compile cache root as a user sees it: list its entries (piece, shape, status) and clear them.
-Tables go to stdout. `thunder-batch compile --list/--clear` (cli.compile) prints these."""
+"""The compile cache root as a user sees it: list its entries (piece, shape, status), the fusion
+regions' compiled code and Inductor's own caches, and clear them all. Tables go to stdout.
+`thunder-batch compile --list/--clear` (cli.compile) prints these."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -32,12 +34,25 @@ def list_entries(root: Path) -> None:
         status = "ok" if record is not None else f"BAD: {problem}"
         size_mb = path.stat().st_size / 1e6
         print(f"  {path.stem}  {piece:<15}  {model}  {shape}  {where}  {size_mb:.2f} MB  {age_h:.1f} h  {status}")
+    regions = sorted((root / "inductor").glob("*.bin"))
+    if regions:
+        size = sum(p.stat().st_size for p in regions) / 1e6
+        print(f"  inductor/: {len(regions)} compiled fusion region(s), {size:.1f} MB (loaded by the entries above)")
+    caches = root / "inductor-cache"
+    if caches.is_dir():
+        size = sum(p.stat().st_size for p in caches.rglob("*") if p.is_file()) / 1e6
+        print(f"  inductor-cache/: Inductor's own caches, {size:.1f} MB")
 
 
 def clear_entries(root: Path) -> None:
-    """Delete entries and leftover temp files; anything else in the root (e.g. a README) stays."""
+    """Delete entries, compiled fusion regions, Inductor's caches and leftover temp files; anything
+    else in the root (e.g. a README) stays."""
     removed = 0
-    for path in [*entry_files(root), *(root.glob(".*.tmp") if root.is_dir() else ())]:
+    regions = root / "inductor"
+    for path in [*entry_files(root), *(root.glob(".*.tmp") if root.is_dir() else ()), *regions.glob("*.bin")]:
         path.unlink(missing_ok=True)
         removed += 1
-    print(f"{root}: removed {removed} file(s)")
+    for folder in (root / "inductor-cache", regions):
+        if folder.is_dir():
+            shutil.rmtree(folder)
+    print(f"{root}: removed {removed} file(s) and Inductor's caches")

@@ -9,7 +9,8 @@ from thunder_batch._compat import import_thunder
 
 # User-facing executor names, in the order they should claim ops (first wins). "thunder_batch" is the
 # project's own (compile.kernels): small-row linears on CPU.
-KNOWN_EXECUTORS = ("thunder_batch", "nvfuser", "torchcompile", "sdpa", "torch", "python")
+# "inductor" fuses the elementwise work between them with Inductor, stored in the compile cache (compile.fusion).
+KNOWN_EXECUTORS = ("thunder_batch", "sdpa", "inductor", "nvfuser", "torchcompile", "torch", "python")
 
 _MISSING = {
     "nvfuser": "nvFuser is not installed: Thunder found no `nvfuser` package (its wheels are built for one "
@@ -26,7 +27,10 @@ def executor_availability() -> dict[str, str | None]:
     from thunder_batch.compile.kernels import kernel_executor
 
     status = {}
+    from thunder_batch.compile.fusion import make_executor
+
     kernel_executor()  # registers "thunder_batch" (its checker says which ops it can take here)
+    make_executor()  # registers "inductor"
     for name in KNOWN_EXECUTORS:
         if get_executor(name) is None:
             status[name] = _MISSING.get(name, f"executor {name!r} is not registered with Thunder")
@@ -38,12 +42,20 @@ def executor_availability() -> dict[str, str | None]:
 
 
 def default_executors() -> list:
-    """`executors=None`: the project's executor (it claims CPU linears only, see compile.kernels), then
-    Thunder's defaults for the device. A fixed choice, not measured at run time."""
+    """`executors=None`, a fixed choice (measured: benchmarks/RESULTS.md), not measured at run time: the
+    project's kernels (CPU linears, compile.kernels), Thunder's sdpa, the "inductor" fusion of what lies
+    between them (CPU only, compile.fusion), torch, then the rest of Thunder's defaults for the device."""
     thunder = import_thunder()
+    from thunder.executors.torchex import ex as torch_executor
+
+    from thunder_batch.compile.fusion import make_executor
     from thunder_batch.compile.kernels import kernel_executor
 
-    return [kernel_executor(), *thunder.get_default_executors()]
+    sdpa = [ex for ex in thunder.get_default_executors() if ex.name == "sdpa"]
+    rest = [ex for ex in thunder.get_default_executors() if ex.name not in ("sdpa", torch_executor.name)]
+    # torch right after the fusion takes what it leaves (attention, cache writes, big fp32 linears)
+    # whole: an op no executor of the list takes would be decomposed into ops the fusion takes.
+    return [kernel_executor(), *sdpa, make_executor(), torch_executor, *rest]
 
 
 def resolve_executors(names: Sequence[str]) -> list:

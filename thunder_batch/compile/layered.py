@@ -19,6 +19,8 @@ import torch
 
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile.cache import EntryStore, make_key, piece_key, warn
+from thunder_batch.compile.fusion import EXECUTOR as FUSION
+from thunder_batch.compile.fusion import artifacts_in, has_regions, reference_regions
 from thunder_batch.compile.kernels import EXECUTOR, KernelsMode
 from thunder_batch.compile.pieces import SharedTraces, TracedPiece, piece_from_record, trace_piece
 from thunder_batch.compile.signature import paths_from_json, paths_to_json
@@ -67,8 +69,15 @@ class LayeredProgram:
         self.jitted: list = []  # every function Thunder jitted here, duplicate block traces included
         self.calls = 0
         self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
-        claims_kernels = any(getattr(ex, "name", None) == EXECUTOR for ex in options.get("executors", ()))
-        self._reference = KernelsMode if claims_kernels else contextlib.nullcontext
+        names = [getattr(ex, "name", None) for ex in options.get("executors", ())]
+        self._reference = KernelsMode if EXECUTOR in names else contextlib.nullcontext
+        # Heads are not fused: a few ops a step, and fused logits could move a near-tie's argmax.
+        executors = [ex for ex in options.get("executors", ()) if ex.name != FUSION]
+        self.head_options = dict(options, executors=executors) if FUSION in names else options
+
+    def _making(self):
+        """The context pieces are made in: fusion regions store their compiled code under the cache root."""
+        return artifacts_in(self.store.root if self.store is not None and self.store.writable else None)
 
     @torch.no_grad()
     def __call__(
@@ -118,6 +127,10 @@ class LayeredProgram:
             return fn(*args)
         module = self.program.blocks[i]
         start = time.perf_counter()
+        with self._making():
+            return self._load_or_trace_block(shape, i, module, args, start)
+
+    def _load_or_trace_block(self, shape: _Shape, i: int, module, args: tuple, start: float):
         try:
             if not shape.shared.traces and self.store is not None:
                 self._load_stored_blocks(shape, args)
@@ -153,6 +166,10 @@ class LayeredProgram:
     def _make(self, kind: str, module, args: tuple):
         """A prefix or head program: loaded if stored and sound, else traced (and stored)."""
         start = time.perf_counter()
+        with self._making():
+            return self._load_or_trace(kind, module, args, start)
+
+    def _load_or_trace(self, kind: str, module, args: tuple, start: float):
         try:
             key = self._key(kind, "", args) if self.store is not None else None
             piece = self._load(key) if key is not None else None
@@ -166,7 +183,8 @@ class LayeredProgram:
                     f"compile cache entry {self.store.path(key).name} ignored, retracing: "
                     f"failed its load-time check ({problem})"
                 )
-            piece, out = trace_piece(module, args, self.options)
+            options = self.head_options if kind.startswith("head") else self.options
+            piece, out = trace_piece(module, args, options)
             self._count(True, kind, piece, traced=True)
             if key is not None:
                 self._save(key, piece)
@@ -267,7 +285,8 @@ def checked_call(bound, module, args: tuple, reference=contextlib.nullcontext):
     """Run a stored piece bound to `module` and the eager module on the same inputs from the same
     buffer state; returns (the piece's outputs, what disagrees or None). Outputs and in-place writes
     must agree. `reference`: a context the eager module runs in (the kernels the program's executors
-    claim, so both sides compute the same way)."""
+    claim, so both sides compute the same way). The piece's fusion regions run as their torch ops for
+    the check (their compiled code was checked by its hash when loaded), then compiled for the outputs."""
     before = [b.clone() for b in bound.writes]
     with reference():
         want = module(*args)
@@ -275,15 +294,23 @@ def checked_call(bound, module, args: tuple, reference=contextlib.nullcontext):
     for buffer, saved in zip(bound.writes, before):
         buffer.copy_(saved)
     try:
-        got = bound(*args)
+        with reference_regions():
+            got = bound(*args)
+        problem = _disagreement(bound, got, want, after_eager)
+        if problem is None and has_regions(bound.computation):
+            got = bound(*args)  # the same writes again, from the compiled regions
     except Exception as e:
         return None, f"raised {type(e).__name__}: {e}"
-    if not all(_close(b, e) for b, e in zip(bound.writes, after_eager)):
-        return got, "KV cache writes differ from eager (not written in place?)"
+    return got, problem
+
+
+def _disagreement(bound, got, want, eager_writes: list) -> str | None:
+    if not all(_close(b, e) for b, e in zip(bound.writes, eager_writes)):
+        return "KV cache writes differ from eager (not written in place?)"
     got_t, want_t = _flat(got), _flat(want)
     if len(got_t) != len(want_t) or not all(_close(g, w) for g, w in zip(got_t, want_t)):
-        return got, "outputs differ from eager"
-    return got, None
+        return "outputs differ from eager"
+    return None
 
 
 def _flat(value) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from thunder_batch._compat import import_thunder
+from thunder_batch.compile.cache import tensor_meta
 
 # Context objects of these types are compiled regions, not importable code: never stored.
 FUSION_KINDS = {
@@ -111,13 +112,16 @@ def _written_inputs(trace) -> set[str]:
     return written & {a.name for a in trace.args}
 
 
-def tensor_meta(t: torch.Tensor) -> list:
-    return [list(t.shape), str(t.dtype), t.device.type]
-
-
 # -- context names --------------------------------------------------------------------------------
 def ctx_recipe(name: str, obj) -> list[str]:
-    """How to get `obj` back in a fresh process; it must round-trip to the very same object here."""
+    """How to get `obj` back in a fresh process; it must round-trip to the very same object here
+    (a region of the "inductor" fusion executor: its source, and its compiled artifact on disk)."""
+    from thunder_batch.compile.fusion import FusedRegion
+
+    if isinstance(obj, FusedRegion):
+        if not obj.stored:
+            raise NotExportable(f"fusion region {obj.name} was never compiled or not saved")
+        return obj.recipe(ctx_recipe)
     for kind, label in FUSION_KINDS.items():
         if name.startswith(kind) or type(obj).__name__.startswith(kind):
             raise NotExportable(f"context name {name!r} is {label}")
@@ -162,6 +166,10 @@ def resolve_recipe(recipe: Sequence[str]):
         for part in rest[1].split("."):
             obj = getattr(obj, part)
         return obj
+    if kind == "inductor":
+        from thunder_batch.compile.fusion import FusedRegion
+
+        return FusedRegion.from_recipe(list(recipe), resolve_recipe)
     if kind == "executor_op":  # an operator registered with an implementation lambda (no import path)
         from thunder.extend import get_executor
 

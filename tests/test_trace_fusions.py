@@ -1,4 +1,4 @@
-"""What the compiled step fuses (compile/fusions.py): on CPU the KV write is found outside any fusion
+"""What the compiled step fuses (compile/trace_fusions.py): on CPU the KV write is found outside any fusion
 (the project's row copy); on CUDA with nvFuser it runs inside an nvFuser region, with the same tokens."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
-from thunder_batch.compile.fusions import fusion_line, fusion_summary
 from thunder_batch.compile.step import execution_traces
+from thunder_batch.compile.trace_fusions import fusion_line, fusion_summary
 
 from helpers import mixed_prompts, tiny_gpt
 

@@ -1,0 +1,86 @@
+"""The default executors' Inductor fusion (compile.fusion): litgpt's tokens on several families, the
+KV cache writes left in place outside the regions, the compiled regions stored with the pieces and
+loaded by a fresh engine without compiling anything, and a damaged or unsafe region compiled again
+with one warning. Each Inductor compile costs seconds on this CPU: one step shape, tiny models."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch.compile.cache import CompileCacheWarning
+from thunder_batch.compile.fusion import REGION_PREFIX, FusedRegion, regions_of
+from thunder_batch.compile.inplace import INDEX_COPY_OPERATOR
+from thunder_batch.compile.step import execution_traces
+
+from helpers import litgpt_greedy, mixed_prompts, tiny_gpt
+
+pytestmark = [pytest.mark.fusion, pytest.mark.regression]
+# One step shape: no prefill lanes (prompts through the decode rows), one rung.
+CONFIG = dict(batch_size=2, max_seq_length=32, prefill_chunk=4, prefill_lanes=0, attention_lengths=(32,))
+PROMPTS = mixed_prompts(3, [2, 5, 7])
+
+
+def engine(family: str, cache_dir) -> Engine:
+    return Engine(tiny_gpt(family), EngineConfig(**CONFIG, cache_dir=str(cache_dir)))
+
+
+def greedy(engine: Engine) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=5))]
+
+
+def regions(engine: Engine) -> list[FusedRegion]:
+    """The shape's fusion regions, each once (layers of one kind share one block program)."""
+    blocks = engine.runner.step_fn._shapes[(2, 32)].blocks.values()
+    return list({id(r): r for b in blocks for r in regions_of(b.computation)}.values())
+
+
+@pytest.mark.parametrize("family", ["llama", "pythia", "gemma2"])
+def test_fused_step_gives_litgpt_tokens_and_writes_the_cache_in_place(family, tmp_path):
+    fused = engine(family, tmp_path)
+    assert greedy(fused) == [litgpt_greedy(tiny_gpt(family), p, 5) for p in PROMPTS]
+    traces = execution_traces(fused.runner.step_fn)
+    block = next(t for t in traces if any(b.sym.name == INDEX_COPY_OPERATOR for b in t.bound_symbols))
+    names = [b.sym.name for b in block.bound_symbols]
+    assert any(n.startswith(REGION_PREFIX) for n in names)  # elementwise work fused
+    assert names.count(INDEX_COPY_OPERATOR) == 2  # K and V written in place, outside any region
+    assert fused.stats()["not_stored"] == 0
+
+
+def test_a_fresh_engine_loads_the_compiled_regions_and_compiles_nothing(tmp_path, monkeypatch):
+    first = engine("llama", tmp_path)
+    tokens = greedy(first)
+    assert sorted((tmp_path / "inductor").glob("*.bin"))  # the compiled regions, stored
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("a stored region was compiled again")
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", no_compiling)
+    second = engine("llama", tmp_path)
+    assert greedy(second) == tokens
+    stats = second.stats()
+    assert stats["traced"] == 0 and stats["disk_cache_hits"] > 0
+    assert regions(second) and all(r.loaded for r in regions(second))
+
+
+@pytest.mark.parametrize("damage", ["edit", "group-writable"])
+def test_a_damaged_or_unsafe_region_is_compiled_again_with_one_warning(tmp_path, damage):
+    tokens = greedy(engine("llama", tmp_path))
+    loading = engine("llama", tmp_path)
+    greedy(loading)
+    victim = tmp_path / "inductor" / f"{regions(loading)[0].digest}.bin"  # a block region a fresh engine loads
+    if damage == "edit":
+        victim.write_bytes(victim.read_bytes()[:-64] + b"\0" * 64)
+    else:
+        os.chmod(victim, 0o664)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = engine("llama", tmp_path)
+        assert greedy(again) == tokens
+    messages = [str(w.message) for w in caught if issubclass(w.category, CompileCacheWarning)]
+    assert len(messages) == 1 and victim.name in messages[0], messages
+    assert sum(not r.loaded for r in regions(again)) == 1

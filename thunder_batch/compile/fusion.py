@@ -1,0 +1,276 @@
+"""Thunder fusion regions compiled by Inductor once and stored: the "inductor" fusion executor.
+
+Thunder's own torchcompile executor hands each region to `torch.compile`, so every call of a region
+pays Dynamo's frame evaluation and guards (measured: slower than no fusion at 1-8 rows on CPU), and
+nothing of it can be stored. Here a region (the same torch ops Thunder would give torch.compile) is
+traced to an FX graph on its first call, with its real inputs (shapes, dtypes, strides), compiled by
+Inductor's standalone compiler, and called directly afterwards: no guards. The compiled artifact is
+saved under the compile cache root (`<root>/inductor/<digest>.bin`, digest over the region's source
+and its inputs' metadata) and loaded, after a SHA-256 check, the next time the same region appears:
+in a stored piece, or traced again. Inductor's own caches live there too.
+
+Regions never hold the KV cache writes (in place, see `inplace`), attention (the sdpa executor) or
+linears (the project's kernels or torch): they fuse the elementwise work between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import inspect
+import os
+from pathlib import Path
+
+import torch
+
+from thunder_batch._compat import import_thunder
+
+EXECUTOR = "inductor"
+REGION_PREFIX = "InductorFusion"
+# Left to other executors: in-place writes, attention, matmuls (their own kernels are better).
+NOT_FUSED = {
+    "copy_",
+    "index_copy",
+    "index_copy_",
+    "scatter",
+    "scatter_",
+    "index_put",
+    "index_put_",
+    "scaled_dot_product_attention",
+    "linear",
+    "matmul",
+}  # by op name: a torch symbol, or a prim of the same name it decomposes into
+_artifact_dir: contextvars.ContextVar[Path | None] = contextvars.ContextVar("artifact_dir", default=None)
+_reference: contextvars.ContextVar[bool] = contextvars.ContextVar("reference", default=False)
+
+
+@contextlib.contextmanager
+def reference_regions():
+    """Inside, fusion regions run their torch ops instead of their compiled code (the load-time check)."""
+    token = _reference.set(True)
+    try:
+        yield
+    finally:
+        _reference.reset(token)
+
+
+def regions_of(computation) -> list[FusedRegion]:
+    """The fusion regions a stored or traced computation calls: they live in its globals (a stored
+    one comes wrapped, as `torch.no_grad` wraps it)."""
+    inner = inspect.unwrap(computation)
+    return [v for v in getattr(inner, "__globals__", {}).values() if isinstance(v, FusedRegion)]
+
+
+def has_regions(computation) -> bool:
+    return bool(regions_of(computation))
+
+
+@contextlib.contextmanager
+def artifacts_in(root: Path | None):
+    """Regions made inside this context store and find their compiled artifacts under `root`/inductor."""
+    if root is not None:
+        _root_inductor_caches(Path(root) / "inductor-cache")
+    token = _artifact_dir.set(None if root is None else Path(root) / "inductor")
+    try:
+        yield
+    finally:
+        _artifact_dir.reset(token)
+
+
+def _root_inductor_caches(path: Path) -> None:
+    """Inductor's own caches (compiled C++, FX graphs) under the compile cache root, unless the user
+    chose a place ($TORCHINDUCTOR_CACHE_DIR): Inductor writes its default there itself on first use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.absolute())
+
+
+def _meta(t) -> list:
+    return [list(t.shape), list(t.stride()), str(t.dtype), t.device.type] if isinstance(t, torch.Tensor) else [repr(t)]
+
+
+class FusedRegion:
+    """A region's torch function, compiled by Inductor on first call (or loaded) and called directly.
+
+    source: the region as Python (Thunder's torch-executor trace of it); fn: that source as a function.
+    """
+
+    def __init__(self, name: str, source: str, fn, artifact_dir: Path | None) -> None:
+        self.name, self.source, self.fn, self.artifact_dir = name, source, fn, artifact_dir
+        self.compiled = None
+        self.digest: str | None = None
+        self.artifact_sha: str | None = None
+        self.loaded = False  # the compiled artifact came from disk
+
+    def __call__(self, *args):
+        if _reference.get():
+            return self.fn(*args)
+        if self.compiled is None:
+            self._make(args)
+        try:
+            return self.compiled(*args)
+        except AssertionError:  # inputs with other strides than the compiled ones: run the torch ops
+            return self.fn(*args)
+
+    def _make(self, args) -> None:
+        self.digest = hashlib.sha256(repr((self.source, [_meta(a) for a in args], torch.__version__)).encode())
+        self.digest = self.digest.hexdigest()[:32]
+        if self._load():
+            return
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        graph = make_fx(self.fn)(*args)
+        artifact = torch._inductor.standalone_compile(graph, list(args), dynamic_shapes="from_example_inputs")
+        self.compiled = artifact
+        self._save(artifact)
+
+    def _path(self) -> Path | None:
+        return None if self.artifact_dir is None else self.artifact_dir / f"{self.digest}.bin"
+
+    def _load(self) -> bool:
+        path = self._path()
+        if path is None or not path.exists():
+            return False
+        from thunder_batch.compile.cache import sha256, unsafe_reason, warn
+
+        try:
+            problem = unsafe_reason(path, directory=False)
+            data = path.read_bytes() if problem is None else b""
+            if problem is None and self.artifact_sha not in (None, sha256(data)):
+                problem = "content hash mismatch (damaged or edited)"
+            if problem is None:
+                self.compiled = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
+                self.artifact_sha, self.loaded = sha256(data), True
+                return True
+        except Exception as e:
+            problem = f"unloadable ({type(e).__name__}: {e})"
+        warn(f"compiled fusion region {path.name} ignored, compiling again: {problem}")
+        return False
+
+    def _save(self, artifact) -> None:
+        path = self._path()
+        if path is None:
+            return
+        from thunder_batch.compile.cache import sha256, write_atomically
+
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        artifact.save(path=str(tmp), format="binary")
+        data = tmp.read_bytes()
+        tmp.unlink()
+        if write_atomically(path, data):
+            self.artifact_sha = sha256(data)
+
+    @property
+    def stored(self) -> bool:
+        """Compiled and its artifact saved: a stored piece can name it."""
+        return self.digest is not None and self.artifact_sha is not None
+
+    def recipe(self, ctx_recipe) -> list:
+        """How a stored piece gets this region back: its source, how to import its names, the
+        compiled artifact's digest and hash (only once `stored`). `ctx_recipe`: trace_export's recipe
+        for a context name."""
+        ctx = {n: ctx_recipe(n, obj) for n, obj in sorted(self.ctx.items())}
+        return ["inductor", self.name, self.source, ctx, self.digest, self.artifact_sha]
+
+    @classmethod
+    def from_recipe(cls, recipe: list, resolve_ctx) -> FusedRegion:
+        _, name, source, ctx_recipes, digest, artifact_sha = recipe
+        ctx = {n: resolve_ctx(r) for n, r in ctx_recipes.items()}
+        region = cls(name, source, _function(source, ctx), _artifact_dir.get())
+        region.ctx, region.digest, region.artifact_sha = ctx, digest, artifact_sha
+        return region
+
+
+def _function(source: str, ctx: dict):
+    namespace = dict(ctx)
+    exec(compile(source, "thunder_batch.fused_region", "exec"), namespace)
+    return namespace["fused_region"]
+
+
+def make_executor():
+    """The "inductor" FusionExecutor, registered with Thunder on first use."""
+    import_thunder()
+    from thunder.extend import get_executor, register_executor
+
+    executor = get_executor(EXECUTOR)
+    if executor is None:
+        executor = _executor_class()(EXECUTOR)
+        register_executor(executor)
+    return executor
+
+
+def _executor_class():
+    from thunder.executors.torch_compile import TorchCompileExecutor
+    from thunder.executors.torchex import ex as pytorch_ex
+    from thunder.extend import ImplInfo
+
+    class InductorFusionExecutor(TorchCompileExecutor):
+        """Thunder's torchcompile partitioning, with regions made by `FusedRegion`."""
+
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            self._implmap = {op: ImplInfo(checker=_on_cpu) for op in pytorch_ex.implmap if _fusable(op)}
+
+        def can_fuse(self, bsym) -> bool:
+            # Thunder would otherwise fuse an op whose decomposition it can fuse (attention as matmuls).
+            return bsym.sym.name not in NOT_FUSED and super().can_fuse(bsym)
+
+        def fuse(self, region, fusion_counter: int):
+            from thunder.core.proxies import unvariableify
+            from thunder.core.symbol import BoundSymbol, Symbol
+
+            inputs = [unvariableify(x) for x in region.inputs]
+            outputs = [unvariableify(x) for x in region.outputs]
+            name = f"{REGION_PREFIX}{fusion_counter}"
+            fused = region_function(region.bound_symbols, inputs, outputs, name)
+            symbol = Symbol(name, meta=None, is_fusion=True, executor=self)
+            return BoundSymbol(symbol, inputs, {}, outputs, region.bound_symbols, _call_ctx={name: fused})
+
+    return InductorFusionExecutor
+
+
+def _on_cpu(*args, **kwargs) -> bool:
+    """CPU only: on CUDA, Thunder's own fusion executors (nvFuser, torchcompile) are the ones measured."""
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.pytree import tree_flatten
+
+    tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, TensorProxy)]
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def _fusable(op) -> bool:
+    return str(op).split(".")[-1].lower() not in NOT_FUSED
+
+
+def region_function(bsyms, inputs, outputs, name: str) -> FusedRegion:
+    """The region as a trace of torch ops (as Thunder's torchcompile executor builds it), printed to source."""
+    from thunder.core import prims
+    from thunder.core.codeutils import SigInfo
+    from thunder.core.trace import TraceCtx, tracectx
+    from thunder.executors.passes import transform_for_execution
+    from thunder.executors.torchex import ex as pytorch_ex
+
+    trace = TraceCtx(None)
+    trace.args, trace.kwargs = inputs, {}
+    trace.names = {a.name for a in inputs}
+    with tracectx(trace):
+        for a in inputs:
+            prims.unpack_trivial(a, name=a.name)
+    trace.bound_symbols += list(bsyms)
+    trace.bound_symbols.append(prims.python_return.bind(outputs, output=None))
+    for bsym in trace.bound_symbols:
+        for out in (o for s in (bsym, *bsym.subsymbols) for o in s.flat_outs):
+            if out is not None and out.name not in trace.names:
+                trace.add_name(out.name)
+    trace._siginfo = SigInfo("fused_region")
+    trace._siginfo.args = [(a.name, None) for a in inputs]
+    torch_trace = transform_for_execution(trace, executors_list=(pytorch_ex,))
+    source = torch_trace.python(include_decorators=False)
+    ctx = torch_trace.python_ctx()
+    region = FusedRegion(name, source, _function(source, ctx), _artifact_dir.get())
+    region.ctx = ctx
+    return region
