@@ -1,10 +1,12 @@
 """The maintainer tools: the nightly summary (tools/nightly.py) and the GPU check's CPU mode
-(benchmarks/gpu_check.py), run here without tracing (its compiled stages fall outside a small budget)."""
+(benchmarks/gpu_check.py): its CPU dry run, its verdict, budget and deadline."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,19 +62,86 @@ def test_nightly_with_nothing_collected_fails(nightly, tmp_path):
     assert nightly.pinned_thunder() is not None  # pyproject.toml pins lightning-thunder
 
 
-def test_gpu_check_cpu_mode_without_tracing(tmp_path, monkeypatch):
-    """Eager parity vs litgpt's generate_fn on a 1-layer model of the default config; the compiled
-    stages do not fit the 5 s budget and are recorded as skipped, with the reason."""
-    monkeypatch.setenv("THUNDER_BATCH_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    gpu_check = load("benchmarks/gpu_check.py", "gpu_check")
-    status = gpu_check.main(
-        ["--device", "cpu", "--layers", "1", "--batches", "1", "--budget-s", "5", "--out", str(tmp_path)]
-    )
+def test_gpu_check_cpu_dry_run(tmp_path):
+    """`GPU_CHECK_DEVICE=cpu bash benchmarks/gpu_check.sh` as `make test` runs it: every stage that does
+    not need CUDA runs (Thunder parity traced on a 1-layer model of the default config) and matches, the
+    stages that need CUDA are named, and the run exits 0."""
+    env = dict(os.environ, GPU_CHECK_DEVICE="cpu", PYTHON=sys.executable, GPU_CHECK_WHEEL_DIRS="", OUT=str(tmp_path))
+    env["THUNDER_BATCH_CACHE_DIR"] = str(tmp_path / "cache")
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["model"]["weights"].startswith("random, same config") and report["model"]["layers"] == 1
-    assert report["environment"]["executors"]["torch"] == "available"
-    assert report["parity"]["checks"]["eager_vs_litgpt_generate_fn"]["match"], report["parity"]
-    assert report["errors"] == []
-    assert any(s["what"].startswith("parity thunder") and "time budget" in s["reason"] for s in report["skipped"])
-    assert status == 0 and report["ok"] and "partial" in report["verdict"]
+    assert done.returncode == 0 and report["ok"], done.stdout + done.stderr[-3000:]
+    assert "GPU CHECK: PASS" in done.stdout and report["errors"] == [] and report["skipped"] == []
+    assert report["model"]["weights"].startswith("random (seed 0), same config") and report["model"]["layers"] == 1
+    checks = report["checks"]
+    assert set(checks) == {"thunder_vs_eager", "eager_vs_litgpt_generate_fn"} and all(
+        c["match"] for c in checks.values()
+    )
+    assert report["parity"]["step_shapes"] == 2 and len(report["parity"]["compile_s"]["thunder"]) == 2
+    assert (
+        report["parity"]["thunder_stats"]["traced"] > 0 and report["parity"]["thunder_stats"]["trace_speedups"] == "on"
+    )
+    assert report["compile_s_per_shape_estimate"] > 0  # measured, not assumed
+    needs = " | ".join(report["needs_cuda"])
+    assert "CUDA graph capture" in needs and "thunder-cudagraphs vs eager" in needs and "KV write" in needs
+    modes = {row["mode"] for row in report["benchmark"]["rows"]}
+    assert {"eager", "thunder"} <= modes and all(row["ms_per_step"] > 0 for row in report["benchmark"]["rows"])
+    assert report["fusions"]["default"]["kv_write_unfused"]  # the detector finds the KV write in the traces
+
+
+@pytest.fixture
+def report_cls():
+    return load("benchmarks/gpu_check_report.py", "gpu_check_report").Report
+
+
+def with_checks(report, *names, match=True):
+    for name in names:
+        report.check(name, {"match": match, "first_mismatch": None if match else {"request": 0}})
+    return report
+
+
+EAGER, THUNDER, GRAPHS = "eager_vs_litgpt_generate_fn", "thunder_vs_eager", "thunder-cudagraphs_vs_eager"
+
+
+def test_gpu_check_verdict_fails_unless_thunder_and_cuda_graph_parity_ran(report_cls, tmp_path):
+    def verdict(device, *names, match=True):
+        return with_checks(report_cls(tmp_path / "r.json", 100, device), *names, match=match).verdict()
+
+    assert verdict("cuda", EAGER) == (False, f"required parity did not run: {THUNDER}, {GRAPHS}")
+    assert verdict("cuda", EAGER, THUNDER) == (False, f"required parity did not run: {GRAPHS}")
+    assert verdict("cuda", EAGER, THUNDER, GRAPHS)[0] and verdict("cpu", EAGER, THUNDER)[0]
+    assert verdict("cpu", EAGER) == (False, f"required parity did not run: {THUNDER}")
+    assert verdict("cuda", EAGER, THUNDER, GRAPHS, match=False) == (
+        False,
+        f"parity failed: {EAGER}, {THUNDER}, {GRAPHS}",
+    )
+    skipped = with_checks(report_cls(tmp_path / "r.json", 0, "cpu"), EAGER, THUNDER)
+    assert not skipped.has_time(1, "benchmark thunder batch 8")
+    assert skipped.verdict() == (True, f"parity passed (2 checks: {EAGER}, {THUNDER}); partial: 1 item(s) skipped")
+    with skipped.stage("benchmark: thunder, batch 8"):
+        raise RuntimeError("boom")
+    assert skipped.verdict() == (False, "1 stage(s) raised: benchmark: thunder, batch 8")
+
+
+def test_gpu_check_budget_comes_from_the_first_measured_shape(report_cls, tmp_path):
+    report = report_cls(tmp_path / "r.json", 100, "cuda")
+    assert report.compile_estimate(2) == 0 and report.has_time(report.compile_estimate(2), "parity thunder")
+    report.observe_compile({"decode": 30.0, "2x16 prefill": 40.0})
+    assert report.compile_estimate(2) == 80.0 and not report.has_time(report.compile_estimate(3), "parity cg")
+    report.observe_compile({"decode": 10.0})  # a faster (cached) shape does not lower the estimate
+    assert report.compile_estimate(1) == 40.0
+    assert report.data["skipped"] == [{"what": "parity cg", "reason": report.data["skipped"][0]["reason"]}]
+
+
+def test_gpu_check_deadline_writes_a_complete_json(tmp_path):
+    code = (
+        "import sys, time; sys.path.insert(0, 'benchmarks'); from pathlib import Path; "
+        "from gpu_check_report import Report; r = Report(Path(sys.argv[1]), 100, 'cuda'); "
+        "r.start_deadline(0.5)\nwith r.stage('parity: thunder vs eager'): time.sleep(30)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True
+    )
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert done.returncode == 1 and report["ok"] is False and "GPU CHECK: FAIL" in done.stdout
+    assert report["errors"] == [{"stage": "parity: thunder vs eager", "error": "hard deadline: still running at 0 s"}]

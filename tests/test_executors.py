@@ -83,18 +83,20 @@ def test_thunder_registers_the_executors_we_name():
 
 
 @pytest.mark.regression
-def test_compile_options_enable_nvfuser_scatter_and_cuda_graphs(monkeypatch):
+def test_compile_options_enable_nvfuser_scatter_and_add_no_cuda_graph_transform(monkeypatch):
     import_thunder()  # the compat patches before thunder's own imports, also when this test runs alone
-    from thunder.transforms.cudagraph import CUDAGraphTransform
-
     monkeypatch.setattr(compile_step, "resolve_executors", lambda names: list(names))  # nvFuser needs no GPU here
     options = compile_options(EngineConfig(executors=("nvfuser", "torch"), cuda_graphs=True, trace="step"))
     assert options["executors"] == ["nvfuser", "torch"]
     assert options["nv_enable_scatter"] is True
-    assert [type(t).__name__ for t in options["transforms"]] == ["InplaceScatter", "CUDAGraphTransform"]
-    assert isinstance(options["transforms"][1], CUDAGraphTransform)
+    # CUDA graphs are taken around the composed step (compile/cuda_graphs.py): no transform in the pieces.
+    assert [type(t).__name__ for t in options["transforms"]] == ["InplaceScatter"]
     plain = compile_options(EngineConfig(executors=("torchcompile", "torch")))
     assert "nv_enable_scatter" not in plain
+    nvfuser_default = type("Executor", (), {"name": "nvfuser"})()  # nvFuser among Thunder's defaults (CUDA)
+    with monkeypatch.context() as m:
+        m.setattr(compile_step.executor_lists, "default_executors", lambda: [nvfuser_default])
+        assert compile_options(EngineConfig())["nv_enable_scatter"] is True
     assert [type(t).__name__ for t in plain["transforms"]] == ["InplaceScatter"]
     # executors=None: the project's kernels, sdpa, (the Inductor fusion: left out by conftest here), torch,
     # then the rest of Thunder's defaults

@@ -102,3 +102,23 @@ def test_pinned_sources_match_this_install():
     import_thunder()
     assert trace_speedups.unverified_sources() == []
     assert trace_speedups.install()
+
+
+def test_switching_off_is_logged_once_and_in_the_stats(shortcuts, monkeypatch, caplog):
+    """A changed source (as on another torch) turns the shortcuts off with one warning naming it, and
+    the engine's stats say they are off and why."""
+    import_thunder()
+    shortcuts(True)
+    monkeypatch.setitem(trace_speedups._VERIFIED_SOURCES, "torch.nn.Module._call_impl", "0" * 16)
+    with caplog.at_level("WARNING", logger=trace_speedups.__name__):
+        assert not trace_speedups.install() and not trace_speedups.install()
+    warnings = [r.getMessage() for r in caplog.records if r.name == trace_speedups.__name__]
+    assert len(warnings) == 1 and "torch.nn.Module._call_impl" in warnings[0]
+    want = "off: source differs from the verified one: torch.nn.Module._call_impl"
+    assert trace_speedups.status() == want
+    engine = Engine(tiny_gpt("llama", n_layer=1), EngineConfig(**CONFIG, compile="thunder"))
+    assert engine.stats()["trace_speedups"] == want
+    monkeypatch.setenv("THUNDER_BATCH_FAST_TRACE", "0")
+    assert not trace_speedups.install() and trace_speedups.status() == "off: THUNDER_BATCH_FAST_TRACE=0"
+    monkeypatch.undo()
+    assert trace_speedups.install() and trace_speedups.status() == "on"

@@ -101,6 +101,7 @@ class EngineConfig:
     attention_lengths: tuple[int, ...] | None = None
     compile: str = "thunder"
     executors: tuple[str, ...] | None = None  # None: the project's kernels, then Thunder's defaults
+    # One CUDA graph per step shape and head over the whole step (compile.cuda_graphs); needs CUDA
     cuda_graphs: bool = False
     cache_dir: str | None = None  # compile cache root; None: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache
     # "layers": prefix, blocks and head traced apart, layers sharing block traces (seconds to compile,
@@ -121,9 +122,6 @@ class EngineConfig:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.trace not in TRACE_MODES:
             raise ValueError(f"trace must be one of {TRACE_MODES}, got {self.trace!r}")
-        if self.cuda_graphs and self.compile == "thunder" and self.trace != "step":
-            # A captured graph holds its first layer's tensors: layers cannot share it.
-            raise ValueError("cuda_graphs=True needs trace='step' (a CUDA graph cannot be shared by layers)")
         if self.executors is not None:
             object.__setattr__(self, "executors", tuple(self.executors))
 

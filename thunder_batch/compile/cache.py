@@ -4,6 +4,8 @@ An entry is one JSON file `<root>/<key digest>.json` holding a traced step progr
 source (see `trace_export`), its full key, a format version and a SHA-256 of its content. Entries
 are code that will run, so a root that other users can write is refused. Any entry that is
 damaged, stale or unloadable is a miss with one warning; the caller retraces and overwrites it.
+Entries do not depend on the device index: the key names the device kind, and the stored source names
+the CUDA device as `DEVICE_MARK`, put back as the store's own device on loading (`--devices 2`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -25,6 +28,22 @@ DEFAULT_ROOT = "compile_cache"
 # Modules whose source the step program runs: editing any of them invalidates every entry.
 PROGRAM_MODULES = ("program", "model", "moe", "sampler", "kv_cache", "index_ops", "compile.inplace", "compile.kernels")
 PROGRAM_FILES = ("kernels/packed_linear.cpp",)  # the native kernels the project's executor runs
+
+
+DEVICE_MARK = "cuda:<device index>"  # in stored sources; not a device torch accepts, so never run as is
+_CUDA_DEVICE = re.compile(r"""(["'])cuda:\d+\1""")  # torch.device("cuda:0") as traces print it
+
+
+def portable_source(source: str) -> str:
+    """`source` with every quoted CUDA device string ("cuda:1") written as DEVICE_MARK."""
+    return _CUDA_DEVICE.sub(lambda m: f"{m[1]}{DEVICE_MARK}{m[1]}", source)
+
+
+def local_source(source: str, device) -> str:
+    """A stored source for `device` (a torch.device): DEVICE_MARK becomes its "cuda:<index>"."""
+    if device is None or device.type != "cuda":
+        return source
+    return source.replace(DEVICE_MARK, f"cuda:{device.index or 0}")
 
 
 class CompileCacheWarning(UserWarning):
@@ -146,10 +165,11 @@ def piece_key(base: CacheKey, piece: str, signature: str, args) -> CacheKey:
 
 # -- the store ----------------------------------------------------------------------------------
 class EntryStore:
-    """Entries under one root. Refuses unsafe roots; falls back to memory only when it cannot write."""
+    """Entries under one root. Refuses unsafe roots; falls back to memory only when it cannot write.
+    `device`: where loaded programs run (the CUDA index of their sources); None leaves DEVICE_MARK."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root)
+    def __init__(self, root: str | os.PathLike, device=None) -> None:
+        self.root, self.device = Path(root), device
         self.readable = self.writable = False
         reason = self._open_root()
         if reason:
@@ -177,12 +197,16 @@ class EntryStore:
         record, problem = read_entry(path, key)
         if problem:
             warn(f"compile cache entry {path.name} ignored, retracing: {problem}")
+        if record is not None and "source" in record:
+            record = dict(record, source=local_source(record["source"], self.device))
         return record
 
     def save(self, key: CacheKey, record: dict) -> bool:
         """Write atomically: readers and racing writers never see a torn entry."""
         if not self.writable:
             return False
+        if "source" in record:
+            record = dict(record, source=portable_source(record["source"]))
         body = dict(format=FORMAT_VERSION, key=dataclasses.asdict(key), created=time.time(), record=record)
         body["sha256"] = sha256(canonical_json(body))
         self.writable = write_atomically(self.path(key), canonical_json(body).encode())

@@ -21,17 +21,12 @@ def compile_options(config: EngineConfig) -> dict:
         options["executors"] = executor_lists.default_executors()  # looked up here: tests may pin it
     else:
         options["executors"] = resolve_executors(config.executors)
-        if "nvfuser" in config.executors:
-            options["nv_enable_scatter"] = True  # lets nvFuser claim the KV cache scatter and the gathers
+    if any(getattr(ex, "name", ex) == "nvfuser" for ex in options["executors"]):  # named, or among the defaults
+        options["nv_enable_scatter"] = True  # lets nvFuser claim the KV cache scatter and the gathers
     from thunder_batch.compile.inplace import make_transform
 
     options["transforms"] = [make_transform()]  # KV cache writes in place, not two whole-cache copies
-    if config.cuda_graphs:
-        from thunder.transforms.cudagraph import CUDAGraphTransform
-
-        # Module buffers (the KV caches) are static inputs: captured in place, written by every replay.
-        options["transforms"].append(CUDAGraphTransform())
-    return options
+    return options  # cuda_graphs changes no piece: the composed step is captured around them (cuda_graphs)
 
 
 def check_compile_setup(program: nn.Module, config: EngineConfig) -> None:
@@ -53,8 +48,6 @@ def compile_program(program: nn.Module, config: EngineConfig) -> Callable:
     check_compile_setup(program, config)
     if config.compile == "eager":
         return program
-    if config.cuda_graphs:
-        program.requires_grad_(False)  # else Thunder's CUDA graph transform fails on the second shape
     thunder = import_thunder()
     from thunder_batch.compile import trace_speedups
 
@@ -65,8 +58,18 @@ def compile_program(program: nn.Module, config: EngineConfig) -> Callable:
 def load_or_compile_program(program: StepProgram, config: EngineConfig) -> Callable:
     """The step program to call. Eager: `program` itself. trace="layers" (default): a LayeredProgram
     whose pieces are traced once per step shape or loaded from the compile cache (config.cache_dir).
-    trace="step": the whole step as one Thunder trace per shape, kept in memory only."""
+    trace="step": the whole step as one Thunder trace per shape, kept in memory only. With
+    cuda_graphs, either is wrapped in a CUDAGraphProgram (one CUDA graph per step shape and head)."""
     check_compile_setup(program, config)  # fail at construction, not at the first step
+    fn = _load_or_compile(program, config)
+    if not config.cuda_graphs:
+        return fn
+    from thunder_batch.compile.cuda_graphs import CUDAGraphProgram, CUDAGraphs
+
+    return CUDAGraphProgram(fn, CUDAGraphs(next(program.parameters()).device))
+
+
+def _load_or_compile(program: StepProgram, config: EngineConfig) -> Callable:
     if config.compile == "eager" or config.trace == "step":
         return compile_program(program, config)
     import_thunder()  # the compat patches must come before any thunder import
@@ -80,7 +83,7 @@ def load_or_compile_program(program: StepProgram, config: EngineConfig) -> Calla
         config,
         compile_options(config),
         lambda: describe_options(config),
-        EntryStore(resolve_root(config.cache_dir)),
+        EntryStore(resolve_root(config.cache_dir), next(program.parameters()).device),
     )
 
 
@@ -102,11 +105,17 @@ def program_stats(fn: Callable) -> dict:
     """Counters of the step program: step shapes made (`cache_misses`), calls that reused one
     (`cache_hits`), programs made per piece (`programs`), how many were traced and how many loaded
     from the compile cache, the traces Thunder itself counts (`thunder_traces`: a retrace shows
-    here even where the other counters would miss it), and the seconds spent making them."""
+    here even where the other counters would miss it), the seconds spent making them, whether the
+    tracing speedups are on (`trace_speedups`: "on", or "off: why") and, with CUDA graphs, the
+    graphs captured and replayed (`cuda_graphs`)."""
+    from thunder_batch.compile import trace_speedups
+    from thunder_batch.compile.cuda_graphs import CUDAGraphProgram
     from thunder_batch.compile.layered import LayeredProgram
 
+    if isinstance(fn, CUDAGraphProgram):
+        return fn.add_stats(program_stats(fn.program))
     if isinstance(fn, LayeredProgram):
-        return fn.stats()
+        return dict(fn.stats(), trace_speedups=trace_speedups.status())
     stats = dict(
         cache_misses=0,
         cache_hits=0,
@@ -117,6 +126,7 @@ def program_stats(fn: Callable) -> dict:
         disk_cache_hits=0,
         compile_seconds=0.0,
         compile_seconds_by_piece={},
+        trace_speedups="off: nothing is traced (eager)",
     )
     if is_compiled(fn):  # trace="step": one Thunder trace per shape
         thunder = import_thunder()
@@ -128,6 +138,7 @@ def program_stats(fn: Callable) -> dict:
             traced=misses,
             thunder_traces=misses,
             not_stored=misses,
+            trace_speedups=trace_speedups.status(),
         )
     return stats
 
@@ -141,8 +152,10 @@ def execution_traces(fn: Callable) -> list:
     """Thunder's final execution traces of the programs traced in this process: every piece of a
     layered program (prefix, blocks, heads), or the latest whole-step trace. Programs loaded from
     the compile cache have no trace object and are not listed."""
+    from thunder_batch.compile.cuda_graphs import CUDAGraphProgram
     from thunder_batch.compile.layered import LayeredProgram
 
+    fn = fn.program if isinstance(fn, CUDAGraphProgram) else fn
     if isinstance(fn, LayeredProgram):
         return fn.execution_traces()
     return [import_thunder().last_traces(fn)[-1]] if is_compiled(fn) and cache_misses(fn) else []

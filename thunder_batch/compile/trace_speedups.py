@@ -19,8 +19,10 @@ the time in Thunder's bytecode interpreter, and within it two avoidable costs:
 Each shortcut reproduces what the code it skips does; they rely on Thunder/torch internals, so
 `install()` checks the source of every function it stands in for against the versions verified
 here (traces identical with and without, tests/test_trace_speedups.py) and installs nothing if any
-differs. `install()` is idempotent; `uninstall()` restores Thunder's behaviour;
-THUNDER_BATCH_FAST_TRACE=0 turns the speedups off.
+differs, saying so once in the log; `status()` says whether they are on and, if not, why (the
+engine's stats report it). `install()` is idempotent; `uninstall()` restores Thunder's behaviour;
+THUNDER_BATCH_FAST_TRACE=0 turns the speedups off. torch.nn.Module._call_impl has the same source
+in torch 2.11 as in 2.13 (read from the 2.11.0 wheel), so the speedups hold on both.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dis
 import hashlib
 import inspect
+import logging
 import os
 import types
 
@@ -50,6 +53,7 @@ _VERIFIED_SOURCES = {
     "torch.nn.Module._call_impl": "62587dee2896dff4",
 }
 _installed: dict = {}
+_off_reason: list[str] = []  # why install() installed nothing (logged once)
 
 
 def _has_hooks(m: torch.nn.Module) -> bool:
@@ -110,13 +114,34 @@ def unverified_sources() -> list[str]:
     return changed
 
 
+def _reason_off() -> str | None:
+    if os.environ.get("THUNDER_BATCH_FAST_TRACE", "1") == "0":
+        return "THUNDER_BATCH_FAST_TRACE=0"
+    changed = unverified_sources()
+    if changed:
+        return "source differs from the verified one: " + ", ".join(changed)
+    return None
+
+
+def status() -> str:
+    """ "on" while installed; else "off: <why>" (not yet installed, turned off, or sources changed)."""
+    if _installed:
+        return "on"
+    return f"off: {_off_reason[0]}" if _off_reason else "off: not installed"
+
+
 def install() -> bool:
     """Install the shortcuts in Thunder's interpreter; False (nothing changed) when turned off or
     when Thunder/torch changed the code they stand in for."""
     if _installed:
         return True
-    if os.environ.get("THUNDER_BATCH_FAST_TRACE", "1") == "0" or unverified_sources():
+    reason = _reason_off()
+    if reason:
+        if reason not in _off_reason:
+            _off_reason[:] = [reason]
+            logging.getLogger(__name__).warning("Thunder tracing speedups off (tracing ~2x slower): %s", reason)
         return False
+    _off_reason.clear()
     from thunder.core import interpreter, jit_ext
 
     original = torch.nn.Module._call_impl
@@ -212,6 +237,7 @@ def uninstall() -> None:
     else:
         jit_ext._general_jit_lookaside_map[torch.nn.Module._call_impl] = _installed["lookaside"]
     _installed.clear()
+    _off_reason[:] = ["uninstalled"]
 
 
 def _python_frame_without_spinning(self):
