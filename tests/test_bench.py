@@ -224,10 +224,13 @@ def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
         max_new_tokens=4,
         batch_size="2",
         prefill_chunk=1,
-        systems="eager,thunder-torch,thunder-nvfuser",
+        systems="eager,thunder-default,thunder-torch,thunder-nvfuser",
         profile=True,
         **QUICK,
     )
+    default = next(m for m in result["runs"] if m["system"] == "thunder-default")  # executors=None
+    assert default["token_check"]["mismatched_requests"] == 0
+    assert default["compile"]["executors"] == "the defaults (executors=None)"
     thunder = next(m for m in result["runs"] if m["system"] == "thunder-torch")
     assert thunder["token_check"]["mismatched_requests"] == 0
     assert thunder["output_tokens"] == 3 * result["workload"]["max_new_tokens_mean"] > 0

@@ -106,7 +106,7 @@ def compile_engine(gpt, system: str, batch_size: int, ctx: BenchContext):
         cold_per_shape_s=seconds,
         traced=engine.stats()["traced"],
         cache_dir=cache_dir,
-        executors=list(config.executors),
+        executors=list(config.executors) if config.executors is not None else "the defaults (executors=None)",
     )
     not_stored = engine.stats()["not_stored"]
     notes = []
