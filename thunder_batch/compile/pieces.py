@@ -9,6 +9,7 @@ share a trace: exactly those Thunder's checks accept, except for values shown no
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -92,6 +93,18 @@ def piece_from_record(record: dict) -> TracedPiece:
     )
 
 
+def same_program_text(a: str, b: str) -> bool:
+    """The same source up to a consistent renaming of Thunder's proxies (`t123`): tracing with the
+    fusion executor takes proxy names from a process-wide counter, so two traces of one program
+    differ in them."""
+    return _canonical_names(a) == _canonical_names(b)
+
+
+def _canonical_names(source: str) -> str:
+    names: dict[str, str] = {}
+    return re.sub(r"\bt\d+\b", lambda m: names.setdefault(m.group(0), f"t_{len(names)}"), source)
+
+
 class SharedTraces:
     """The traces of one piece kind at one step shape, each shared by every module it accepts.
 
@@ -117,7 +130,7 @@ class SharedTraces:
         """Keep `new`, or the earlier trace that is the same program (learning what to ignore)."""
         for old in self.traces:
             differing = signature.differing_paths(old.checks, new.checks)
-            if differing is not None and old.source == new.source:
+            if differing is not None and same_program_text(old.source, new.source):
                 self.ignored |= differing
                 return old
         self.traces.append(new)
