@@ -70,7 +70,7 @@ def trace_piece(module: nn.Module, args: Sequence[torch.Tensor], options: dict):
         written_in_trace(entry, bindings),
         single_output(entry),
         checks,
-        entry.computation_traces[-1].python(),
+        program_text(entry.computation_traces[-1]),
         jitted=jitted,
     )
     try:
@@ -78,6 +78,15 @@ def trace_piece(module: nn.Module, args: Sequence[torch.Tensor], options: dict):
     except NotExportable as e:
         piece.not_stored = str(e)
     return piece, outputs
+
+
+def program_text(trace) -> str:
+    """The computation as Python, followed by the source of each fusion region it calls: a region's
+    call alone does not say what it computes (two layers' blocks can call different regions by one name)."""
+    from thunder_batch.compile.fusion import FusedRegion
+
+    calls = [v for b in trace.bound_symbols for v in (b._call_ctx or {}).values() if isinstance(v, FusedRegion)]
+    return "\n".join([trace.python(), *(f"# {r.name}\n{r.source}" for r in calls)])
 
 
 def piece_from_record(record: dict) -> TracedPiece:
@@ -101,6 +110,8 @@ def same_program_text(a: str, b: str) -> bool:
 
 
 def _canonical_names(source: str) -> str:
+    """The source without its comment lines (Thunder's say how long a pass took), proxies renamed."""
+    source = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#"))
     names: dict[str, str] = {}
     return re.sub(r"\bt\d+\b", lambda m: names.setdefault(m.group(0), f"t_{len(names)}"), source)
 
