@@ -215,6 +215,7 @@ def _executor_class():
 
         def __init__(self, name: str) -> None:
             super().__init__(name)
+            self._written: set[str] = set()  # proxies aliasing an in-place write, of the trace being fused
             self._implmap = {op: ImplInfo(checker=_on_cpu) for op in pytorch_ex.implmap if _fusable(op)}
 
         def fusion_pass(self, trace):
@@ -227,8 +228,7 @@ def _executor_class():
                 return False
             # A read of a buffer written in place (the KV cache) stays an op in program order: the
             # functional trace does not tie it to the write, and a region could run it before.
-            written = getattr(self, "_written", set())
-            return not any(p.name in written for p in bsym.flat_proxy_args) and super().can_fuse(bsym)
+            return not any(p.name in self._written for p in bsym.flat_proxy_args) and super().can_fuse(bsym)
 
         def fuse(self, region, fusion_counter: int):
             from thunder.core.proxies import unvariableify
