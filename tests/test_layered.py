@@ -12,6 +12,7 @@ import pytest
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.compile.cache import CompileCacheWarning
 from thunder_batch.compile.kernels import KernelsMode
+from thunder_batch.scheduler import StepPlan
 
 from helpers import mixed_prompts, tiny_gpt
 
@@ -61,6 +62,26 @@ def test_uniform_layers_share_one_block_trace(tmp_path):
     assert engine.runner.step_fn.traced["block (same as an earlier layer)"] == 1
     assert engine.runner.step_fn.ignored == {BLOCK_IDX}
     assert stats["thunder_traces"] == 3 + 3 + 1 + 9  # Thunder's own count agrees: each piece traced once
+
+
+@pytest.mark.parametrize("compile", ["eager", "thunder"])
+def test_warmup_runs_the_layers_once_per_shape_and_every_head_on_their_output(compile, tmp_path):
+    engine = Engine(tiny_gpt("llama"), EngineConfig(**CONFIG, compile=compile, cache_dir=str(tmp_path)))
+    runner, calls = engine.runner, []
+    if compile == "eager":
+        hook = runner.program.blocks[0].register_forward_hook(lambda *_: calls.append("layer 0"))
+        engine.warmup()
+        hook.remove()
+    else:  # a hook would enter the traces: count the layered program's calls instead
+        engine.warmup()
+        calls = ["layer 0"] * runner.step_fn.calls
+        assert engine.stats()["programs"]["head-greedy"] == len(SHAPES)  # every head made at every N
+    assert calls == ["layer 0"] * len(SHAPES)
+    # The heads of one warm-up call give what each head gives on its own (an empty step writes scratch only).
+    args = runner.inputs_for(StepPlan([]), runner.config.step_shapes[0]).as_args()
+    together = runner.step_fn(*args, head=("greedy", "filtered"))
+    alone = [runner.step_fn(*args, head=h) for h in ("greedy", "filtered")]
+    assert [[t.tolist() for t in out] for out in together] == [[t.tolist() for t in out] for out in alone]
 
 
 @pytest.mark.regression

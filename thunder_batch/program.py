@@ -146,10 +146,13 @@ class StepProgram(nn.Module):
         top_p,
         seed,
         target=None,
-        head: str = "filtered",
+        head: str | tuple[str, ...] = "filtered",
     ):
+        """head: a variant, or a tuple of them: then the layers run once and each head on their output
+        (a tuple of each head's outputs), as a warm-up that makes every head needs."""
         step_args = (idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed, target)
-        return run_step(self.prefix, list(self.blocks), self.heads[head], *step_args)
+        heads = [self.heads[h] for h in head] if isinstance(head, tuple) else self.heads[head]
+        return run_step(self.prefix, list(self.blocks), heads, *step_args)
 
 
 def run_step(
@@ -162,9 +165,10 @@ def run_step(
     temperature, top_p: [B] float32; top_k, seed: [B] int64; target: [N] int64, the token each row
     is scored against by a `_prompt` head (0 where none; None without one). Returns (token [B], logprob [B]) and the
     head variant's extras (see StepHead). `prefix`, each of `blocks` and `head` are the pieces
-    (modules, or their compiled programs).
+    (modules, or their compiled programs); `head` may be a list of heads: a tuple of their outputs.
     """
     x, *shared = prefix(idx, input_pos, row_slot, key_pos)
     for block in blocks:
         x = block(x, *shared)
-    return head(x, input_pos, last_row, temperature, top_k, top_p, seed, target)
+    head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed, target)
+    return tuple(h(*head_args) for h in head) if isinstance(head, list) else head(*head_args)

@@ -138,10 +138,16 @@ class Runner:
             start = time.perf_counter()
             # Heads see N rows, not L: every variant once per row count (the ladder's first rung).
             first_rung = shape.length == self.config.ladder[0]
-            for head in self.head_variants if first_rung else self.head_variants[:1]:
-                self.run(StepPlan([]), head, shape)
+            self.warm(shape, self.head_variants if first_rung else self.head_variants[:1])
             seconds[shape.describe(self.config)] = time.perf_counter() - start
         return seconds
+
+    def warm(self, shape: StepShape, heads: tuple[str, ...]) -> None:
+        """One empty step of `shape`: the layers run once and each of `heads` on their output (at
+        B = 64 a prompt-wide step runs for seconds: not once per head)."""
+        head = heads[0] if len(heads) == 1 else tuple(heads)  # one head: the call the steps make
+        with torch.no_grad():
+            self.step_fn(*self.inputs_for(StepPlan([]), shape).as_args(), head=head)
 
     def run(self, plan: StepPlan, head: str | None = None, shape: StepShape | None = None) -> StepResult:
         """One step; returns the sampled token and its logprob for every slot (one host sync), and

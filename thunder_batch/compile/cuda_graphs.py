@@ -75,7 +75,9 @@ class CUDAGraphProgram:
         self.replays = 0
 
     @torch.no_grad()
-    def __call__(self, *args, head: str = "filtered"):
+    def __call__(self, *args, head: str | tuple[str, ...] = "filtered"):
+        if isinstance(head, tuple):  # a warm-up of several heads: one graph each, so one whole step each
+            return tuple(self(*args, head=h) for h in head)
         self.calls += 1
         key = graph_key(args, head)
         captured = self.graphs.get(key)

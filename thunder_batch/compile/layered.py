@@ -92,7 +92,7 @@ class LayeredProgram:
         top_p,
         seed,
         target=None,
-        head: str = "filtered",
+        head: str | tuple[str, ...] = "filtered",
     ):
         self.calls += 1
         rows, length = int(idx.shape[0]), int(key_pos.shape[0])
@@ -105,16 +105,21 @@ class LayeredProgram:
         if not shape.blocks_settled:
             shape.blocks_settled = True
             self._store_blocks(shape, (x, *shared))
-        kind = "head" if head == "filtered" else f"head-{head}"
         head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed, target)
-        fn = shape.heads.get(kind)
-        if fn is None:
-            fn, out = self._make(kind, self.program.heads[head], head_args)
-            shape.heads[kind] = fn
-            return out
-        return fn(*head_args)
+        if isinstance(head, tuple):  # a warm-up: every head on one run of the layers
+            return tuple(self._head(shape, h, head_args) for h in head)
+        return self._head(shape, head, head_args)
 
     # -- pieces -------------------------------------------------------------------------------
+    def _head(self, shape: _Shape, head: str, args: tuple):
+        kind = "head" if head == "filtered" else f"head-{head}"
+        fn = shape.heads.get(kind)
+        if fn is None:
+            fn, out = self._make(kind, self.program.heads[head], args)
+            shape.heads[kind] = fn
+            return out
+        return fn(*args)
+
     def _prefix(self, shape: _Shape, args: tuple):
         if shape.prefix is None:
             shape.prefix, out = self._make("prefix", self.program.prefix, args)
