@@ -84,3 +84,16 @@ def test_a_damaged_or_unsafe_region_is_compiled_again_with_one_warning(tmp_path,
     messages = [str(w.message) for w in caught if issubclass(w.category, CompileCacheWarning)]
     assert len(messages) == 1 and victim.name in messages[0], messages
     assert sum(not r.loaded for r in regions(again)) == 1
+
+
+def test_the_simd_probe_runs_in_inductors_own_place_before_its_caches_move_under_the_root(tmp_path, monkeypatch):
+    from torch._inductor import cpu_vec_isa
+
+    from thunder_batch.compile.fusion import artifacts_in
+
+    probed_in = []
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: probed_in.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR")))
+    with artifacts_in(tmp_path):
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "inductor-cache").absolute())
+    assert probed_in == [None]  # probed once, where every compile root's builds find its test builds

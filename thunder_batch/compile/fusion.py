@@ -82,11 +82,15 @@ def artifacts_in(root: Path | None):
 
 def _root_inductor_caches(path: Path) -> None:
     """Inductor's own caches (compiled C++, FX graphs) under the compile cache root, unless the user
-    chose a place ($TORCHINDUCTOR_CACHE_DIR): Inductor writes its default there itself on first use."""
+    chose a place ($TORCHINDUCTOR_CACHE_DIR): Inductor writes its default there itself on first use.
+    Which SIMD instructions the compiler and CPU allow is a fact of the machine, not of a compile: it
+    is probed first, in Inductor's default place (~7 s of test builds once per machine, not per root)."""
+    from torch._inductor import cpu_vec_isa
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        cpu_vec_isa.pick_vec_isa()  # probed once per process, its test builds kept where every root finds them
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.absolute())
 
 
