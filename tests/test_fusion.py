@@ -93,7 +93,11 @@ def test_the_simd_probe_runs_in_inductors_own_place_before_its_caches_move_under
 
     probed_in = []
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: probed_in.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR")))
+
+    def probe():
+        probed_in.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", probe)
     with artifacts_in(tmp_path):
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "inductor-cache").absolute())
     assert probed_in == [None]  # probed once, where every compile root's builds find its test builds
