@@ -148,8 +148,8 @@ class StepProgram(nn.Module):
         target=None,
         head: str | tuple[str, ...] = "filtered",
     ):
-        """head: a variant, or a tuple of them: then the layers run once and each head on their output
-        (a tuple of each head's outputs), as a warm-up that makes every head needs."""
+        """head: a variant, or a tuple of them: the layers run once and each head on their output (a
+        tuple of their outputs), so a warm-up makes every head without running the layers again."""
         step_args = (idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed, target)
         heads = [self.heads[h] for h in head] if isinstance(head, tuple) else self.heads[head]
         return run_step(self.prefix, list(self.blocks), heads, *step_args)
