@@ -145,7 +145,7 @@ class Runner:
     def warm(self, shape: StepShape, heads: tuple[str, ...]) -> None:
         """One empty step of `shape`: the layers run once and each of `heads` on their output (at
         B = 64 a prompt-wide step runs for seconds: not once per head)."""
-        head = heads[0] if len(heads) == 1 else tuple(heads)  # one head: the call the steps make
+        head = heads[0] if len(heads) == 1 else heads  # one head: the call the steps make
         with torch.no_grad():
             self.step_fn(*self.inputs_for(StepPlan([]), shape).as_args(), head=head)
 
