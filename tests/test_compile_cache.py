@@ -24,21 +24,23 @@ import torch
 import thunder_batch.compile.cache as cc
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.cli import compile as compile_cli
+from thunder_batch.compile import provenance
 from thunder_batch.compile.cache import (
     FORMAT_VERSION,
     CacheKey,
     CompileCacheWarning,
     EntryStore,
     canonical_json,
-    make_key,
     read_entry,
     resolve_root,
     sha256,
 )
+from thunder_batch.compile.layered import LayeredProgram
 from thunder_batch.compile.pieces import piece_from_record
-from thunder_batch.compile.step import describe_options
+from thunder_batch.compile.step import compile_options
 from thunder_batch.compile.trace_export import NotExportable, ctx_recipe
 from thunder_batch.config import StepShape
+from thunder_batch.kernels import build as native_build
 from thunder_batch.scheduler import StepPlan
 
 from helpers import tiny_gpt
@@ -48,7 +50,7 @@ PROMPTS = [[1, 2, 3], [4, 5]]
 PARAMS = SamplingParams(max_new_tokens=4, temperature=0.8, top_k=20, seed=7)  # sampling: logprobs matter
 # What one shape of a 1-layer model stores: prompt tokens sample nothing that counts (greedy head),
 # then every request samples with top-k (the filtered head).
-PIECES = {"prefix", "block", "layers", "head", "head-greedy"}
+PIECES = {"prefix", "block", "layers", "head-filtered", "head-greedy"}
 TESTS_DIR = Path(__file__).parent
 
 
@@ -102,7 +104,7 @@ def test_cold_start_stores_every_piece(traced):
     assert traced["warnings"] == []
     stats = traced["engine"].stats()
     assert (stats["cache_misses"], stats["traced"], stats["disk_cache_hits"]) == (1, 4, 0)
-    assert stats["programs"] == {"prefix": 1, "block": 1, "head": 1, "head-greedy": 1}
+    assert stats["programs"] == {"prefix": 1, "block": 1, "head-filtered": 1, "head-greedy": 1}
     assert set(entries(traced["root"])) == PIECES
     record, problem = read_entry(traced["path"], traced["key"])
     assert problem is None and record["fn_name"] == "computation"
@@ -112,7 +114,7 @@ def test_cold_start_stores_every_piece(traced):
 def test_bad_entry_is_retraced_and_overwritten(traced, tmp_path):
     """A garbage entry: one warning, that piece alone is traced again and its entry rewritten."""
     root = copy_root(traced, tmp_path)
-    head = root / entries(traced["root"])["head"].name
+    head = root / entries(traced["root"])["head-filtered"].name
     head.write_bytes(b"\x00garbage")
     engine = make_engine(root)
     with warnings.catch_warnings(record=True) as caught:
@@ -196,7 +198,9 @@ def test_every_key_field_changes_the_digest(traced):
         "model",
         "dtype",
         "versions",
-        "program_source",
+        "source",
+        "codegen",
+        "native_kernels",
     ],
 )
 def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monkeypatch):
@@ -220,22 +224,53 @@ def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monke
     elif change == "versions":
         engine = make_engine(tmp_path)
         monkeypatch.setattr(cc, "versions", lambda: (("torch", "0.0.0"),))
-    else:
+    elif change == "source":  # what the copied-package tests (test_provenance.py) change for real
         engine = make_engine(tmp_path)
-        monkeypatch.setattr(cc, "program_source_hash", lambda: sha256("edited sampler"))
+        monkeypatch.setattr(provenance, "source_digest", lambda: sha256("an edited sampler"))
+    elif change == "codegen":  # a cache shared with a machine of another ISA
+        engine = make_engine(tmp_path)
+        monkeypatch.setattr(provenance, "codegen", lambda device_type: "another ISA and compiler")
+    else:  # a program traced while the native kernels' build failed claims no linear
+        engine = make_engine(tmp_path)
+        monkeypatch.setattr(native_build, "unavailable", lambda: "build failed: no compiler")
     assert key_of(engine) != base
 
 
-def test_cuda_graphs_share_the_pieces_key(traced):
-    """The key's fields are make_key's of the config's options as describe_options gives them, the
-    path the layered program takes; cuda_graphs=True leaves them as they are: the CUDA graph is taken
-    around the composed step (compile/cuda_graphs.py), its pieces are the same programs, so either
-    engine loads the entries the other stored."""
-    engine = traced["engine"]  # it made its key on first use
-    layered, config = engine.runner.step_fn, engine.config
-    assert layered._base_key == make_key(layered.program, config, *describe_options(config))
-    graphs = dataclasses.replace(config, cuda_graphs=True)
-    assert make_key(layered.program, graphs, *describe_options(graphs)) == layered._base_key
+def test_cuda_graphs_load_the_pieces_a_plain_engine_stored(traced):
+    """cuda_graphs=True changes no piece (the graph is taken around the composed step, compile/cuda_graphs.py):
+    a layered program made for that config finds and loads every entry the plain engine stored."""
+    engine = traced["engine"]
+    config = dataclasses.replace(engine.config, cuda_graphs=True)
+    program = copy.deepcopy(engine.runner.program)
+    layered = LayeredProgram(program, config, compile_options(config), EntryStore(traced["root"]))
+    args = engine.runner.inputs_for(StepPlan([])).as_args()
+    for head in ("filtered", "greedy"):
+        layered(*args, head=head)
+    stats = layered.stats()
+    assert (stats["traced"], stats["disk_cache_hits"]) == (0, 4), stats
+
+
+def test_a_stored_piece_is_checked_on_real_rows_before_it_runs(traced, tmp_path, monkeypatch):
+    """A warm-up step's rows are padding (position S, past every entry read). Here the eager step hides
+    from each row its own position's entry (a stale read: the bug a fusion once had), which changes
+    real rows only: the stored prefix must disagree with it on a probe step whose rows are real, so the
+    check rejects the entry (one warning) and the prefix is traced again."""
+    from thunder_batch import model
+
+    visible = model.visibility_masks
+
+    def stale(input_pos, key_pos, config):
+        return [m & (key_pos < input_pos.unsqueeze(-1)) for m in visible(input_pos, key_pos, config)]
+
+    monkeypatch.setattr(model, "visibility_masks", stale)
+    engine = make_engine(copy_root(traced, tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.runner.warm(engine.config.step_shapes[0], ("greedy",))
+    messages = cache_warnings(caught)
+    assert len(messages) == 1 and "load-time check" in messages[0], messages
+    stats = engine.stats()
+    assert stats["traced"] == 1 and stats["disk_cache_hits"] == 2, stats  # the prefix traced; block, head loaded
 
 
 @pytest.mark.cuda
@@ -332,7 +367,8 @@ def test_damaged_entry_is_a_miss_with_one_warning(traced, tmp_path, kind):
     messages = step_with_warnings(engine)
     assert len(messages) == 1 and expected in messages[0], messages
     stats = engine.stats()
-    assert stats["traced"] == 1 and stats["programs"] == {"prefix": 1, "block": 1, "head": 1}  # the block retraced
+    assert stats["traced"] == 1  # the block retraced
+    assert stats["programs"] == {"prefix": 1, "block": 1, "head-filtered": 1}
 
 
 def test_missing_entry_is_a_plain_miss(tmp_path):

@@ -73,7 +73,7 @@ def test_layered_pieces_trace_the_same_with_and_without_the_shortcuts(shortcuts,
         assert engine.stats()["programs"] == {
             "prefix": 2,
             "block": 2,
-            "head": 2,
+            "head-filtered": 2,
             "head-unfiltered": 2,
             "head-greedy": 2,
         }

@@ -72,7 +72,7 @@ class Runner:
         self.gpt = gpt
         self.program = StepProgram(gpt, config.batch_size, config.max_seq_length, config.prefill_chunk)
         self.caches = list(self.program.caches)  # one SlotKVCache per layer
-        self.step_fn = load_or_compile_program(self.program, config)
+        self.step_fn = load_or_compile_program(self.program, config, self.probe_inputs)
         # A head without the top-k/top-p sort is one more small piece, but one more whole trace of
         # the model with trace="step": there, every step keeps the sort.
         whole_step = config.compile == "thunder" and config.trace == "step"
@@ -113,6 +113,34 @@ class Runner:
             torch.tensor(top_p, dtype=torch.float32, device=dev),
             torch.tensor(seed, dtype=long, device=dev),
             torch.tensor(target, dtype=long, device=dev),
+        )
+
+    def probe_inputs(self, rows: int, length: int) -> tuple[torch.Tensor, ...]:
+        """Step arguments of `rows` rows and `length` entries read in which every row is real, for the
+        compile cache's load-time check (a warm-up's rows are all padding, touching scratch entries only):
+        lane p feeds slot p the chunk ending at entry length - 1, so it reads what it writes; every other
+        slot decodes one token at a spread position; every sampler setting is on; tokens are random."""
+        B, S, C = self.config.batch_size, self.config.max_seq_length, self.config.prefill_chunk
+        lanes, fed = (rows - B) // C, min(C, length)
+        generator = torch.Generator().manual_seed(rows * 100_003 + length)
+        idx = torch.randint(self.gpt.config.padded_vocab_size, (rows,), generator=generator)
+        pos = [S if b < lanes else (13 * b) % length for b in range(B)]
+        pos += [length - fed + t if t < fed else S + 1 + t for _ in range(lanes) for t in range(C)]
+        row_slot = list(range(B)) + [p for p in range(lanes) for _ in range(C)]
+        last = [B + b * C + fed - 1 if b < lanes else b for b in range(B)]
+        target = torch.randint(self.gpt.config.padded_vocab_size, (rows,), generator=generator)
+        long, dev = torch.int64, self.device
+        return (
+            idx.to(dev),
+            torch.tensor(pos, dtype=long, device=dev),
+            torch.tensor(row_slot, dtype=long, device=dev),
+            torch.arange(length, dtype=long, device=dev),
+            torch.tensor(last, dtype=long, device=dev),
+            torch.full((B,), 0.8, dtype=torch.float32, device=dev),
+            torch.full((B,), 5, dtype=long, device=dev),
+            torch.full((B,), 0.9, dtype=torch.float32, device=dev),
+            torch.arange(1, B + 1, dtype=long, device=dev),
+            target.to(dev),
         )
 
     def first_row(self, work: SlotWork) -> int:

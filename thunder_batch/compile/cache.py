@@ -22,12 +22,9 @@ import time
 import warnings
 from pathlib import Path
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ENV_VAR = "THUNDER_BATCH_CACHE_DIR"
 DEFAULT_ROOT = "compile_cache"
-# Modules whose source the step program runs: editing any of them invalidates every entry.
-PROGRAM_MODULES = ("program", "model", "moe", "sampler", "kv_cache", "index_ops", "compile.inplace", "compile.kernels")
-PROGRAM_FILES = ("kernels/packed_linear.cpp",)  # the native kernels the project's executor runs
 
 
 DEVICE_MARK = "cuda:<device index>"  # in stored sources; not a device torch accepts, so never run as is
@@ -71,7 +68,7 @@ def sha256(text: str | bytes) -> str:
 class CacheKey:
     """Everything a traced piece of the step program depends on; its digest names the entry file."""
 
-    piece: str  # prefix, block, head, head-unfiltered, head-greedy, or layers (which block program each layer runs)
+    piece: str  # prefix, block, head-<variant> (head-filtered, head-greedy_top, ...), or layers (blocks per layer)
     signature: str  # block programs: digest of the values Thunder checks on the block (else "")
     model_config: str  # canonical JSON of the litgpt Config
     module_signature: str  # SHA-256 over (name, shape, dtype) of every parameter/buffer and module class
@@ -81,10 +78,12 @@ class CacheKey:
     rows: int  # N, the step's rows
     max_seq_length: int
     inputs: str  # shapes/dtypes of the call arguments
-    executors: tuple[str, ...]
+    executors: tuple[str, ...]  # the executors the piece was traced with, in claim order
     compile_options: str  # canonical JSON
     versions: tuple[tuple[str, str], ...]
-    program_source: str  # SHA-256 of PROGRAM_MODULES' source
+    source: str  # SHA-256 of every package file a program can depend on (provenance.source_digest)
+    codegen: str  # CPU: ISA flags, C++ compiler and version, Inductor's settings (provenance.codegen)
+    native_kernels: str  # "available", why not, or "unused" (the project's executor is not in `executors`)
 
     def digest(self) -> str:
         return sha256(canonical_json(dataclasses.asdict(self)))[:32]
@@ -97,16 +96,16 @@ def versions() -> tuple[tuple[str, str], ...]:
     return (("python", sys.version.split()[0]), *packages.items())
 
 
-def program_source_hash() -> str:
-    import importlib
+def native_kernels(executors: tuple[str, ...], device) -> str:
+    """Whether the native kernels ran in programs traced with `executors` on `device`: a program traced
+    while their build failed claims no linear, and must not be reused where they work (or back)."""
+    from thunder_batch.compile.kernels import EXECUTOR
 
-    digest = hashlib.sha256()
-    for name in PROGRAM_MODULES:
-        digest.update(Path(importlib.import_module(f"thunder_batch.{name}").__file__).read_bytes())
-    package = Path(importlib.import_module("thunder_batch").__file__).parent
-    for name in PROGRAM_FILES:
-        digest.update((package / name).read_bytes())
-    return digest.hexdigest()
+    if EXECUTOR not in executors or device.type != "cpu":
+        return "unused"
+    from thunder_batch.kernels.build import unavailable
+
+    return unavailable() or "available"
 
 
 def module_signature(module) -> str:
@@ -126,8 +125,11 @@ def device_kind(device) -> str:
 
 
 def make_key(program, config, executors: tuple[str, ...], options: dict) -> CacheKey:
-    """The fields every piece of `program` (a StepProgram) shares; `piece_key` fills in the rest.
-    Computed once per program: hashing the module and the sources is not free."""
+    """The fields every piece of `program` (a StepProgram) traced with `executors` (names, claim order)
+    and the other jit `options` (as data) shares; `piece_key` fills in the rest. Computed once per
+    program and executor list: hashing the module and the sources is not free."""
+    from thunder_batch.compile.provenance import codegen, source_digest
+
     weight = program.prefix.gpt.lm_head.weight
     return CacheKey(
         piece="",
@@ -143,7 +145,9 @@ def make_key(program, config, executors: tuple[str, ...], options: dict) -> Cach
         executors=tuple(executors),
         compile_options=canonical_json(options),
         versions=versions(),
-        program_source=program_source_hash(),
+        source=source_digest(),
+        codegen=codegen(weight.device.type),
+        native_kernels=native_kernels(tuple(executors), weight.device),
     )
 
 

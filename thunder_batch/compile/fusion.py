@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from thunder_batch import fallbacks
 from thunder_batch._compat import import_thunder
 
 EXECUTOR = "inductor"
@@ -44,17 +45,18 @@ NOT_FUSED = {
     "_grouped_mm",  # the MoE step's grouped matmul: Inductor's meta for it takes bfloat16 only
 }  # by op name: a torch symbol, or a prim of the same name it decomposes into
 _artifact_dir: contextvars.ContextVar[Path | None] = contextvars.ContextVar("artifact_dir", default=None)
-_reference: contextvars.ContextVar[bool] = contextvars.ContextVar("reference", default=False)
+_as_torch_ops: contextvars.ContextVar[bool] = contextvars.ContextVar("as_torch_ops", default=False)
 
 
 @contextlib.contextmanager
-def reference_regions():
-    """Inside, fusion regions run their torch ops instead of their compiled code (the load-time check)."""
-    token = _reference.set(True)
+def regions_as_torch_ops():
+    """Inside, fusion regions run their torch ops instead of their compiled code (a stored piece's
+    load-time check compares its program with eager; each compiled region is checked on its own)."""
+    token = _as_torch_ops.set(True)
     try:
         yield
     finally:
-        _reference.reset(token)
+        _as_torch_ops.reset(token)
 
 
 def regions_of(computation) -> list[FusedRegion]:
@@ -94,6 +96,45 @@ def _root_inductor_caches(path: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.absolute())
 
 
+def _checked_bytes(path: Path, hash_path: Path, expected: str | None) -> tuple[bytes, str | None]:
+    """(the artifact's bytes, what is wrong with them or None): a safe file whose SHA-256 is the one
+    written beside it at save time and, if a stored piece names one, `expected`."""
+    from thunder_batch.compile.cache import sha256, unsafe_reason
+
+    problem = unsafe_reason(path, directory=False)
+    if problem is not None:
+        return b"", problem
+    if not hash_path.exists():
+        return b"", "no content hash beside it (written before hashes were, or cut short)"
+    problem = unsafe_reason(hash_path, directory=False)
+    data = path.read_bytes()
+    if problem is None and hash_path.read_text().strip() != sha256(data):
+        problem = "content hash mismatch (damaged or edited)"
+    if problem is None and expected not in (None, sha256(data)):
+        problem = "not the artifact the stored piece names (content hash mismatch)"
+    return data, problem
+
+
+def _all_close(got, want) -> bool:
+    got, want = _tensors(got), _tensors(want)
+    return len(got) == len(want) and all(_close(g, w) for g, w in zip(got, want))
+
+
+def _tensors(value) -> list:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _close(got, want) -> bool:
+    """Inductor computes a region's elementwise chain in float32 and rounds once; torch's ops round each
+    step: for 16-bit floats they differ by a few units in the last place."""
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        return isinstance(got, torch.Tensor) is isinstance(want, torch.Tensor) and not isinstance(got, torch.Tensor)
+    if not got.dtype.is_floating_point:
+        return torch.equal(got, want)
+    tol = 1e-4 if got.dtype == torch.float32 or got.dtype == torch.float64 else 3e-2
+    return torch.allclose(got, want, rtol=tol, atol=tol)
+
+
 def _meta(t) -> list:
     return [list(t.shape), list(t.stride()), str(t.dtype), t.device.type] if isinstance(t, torch.Tensor) else [repr(t)]
 
@@ -102,6 +143,9 @@ class FusedRegion:
     """A region's torch function, compiled by Inductor on first call (or loaded) and called directly.
 
     source: the region as Python (Thunder's torch-executor trace of it); fn: that source as a function.
+    A compiled artifact is stored as `<digest>.bin` with its SHA-256 in `<digest>.sha256`, written at
+    save time: a loaded artifact must match it (and, when a stored piece names one, that hash too), and
+    its first outputs must match its torch ops. A region that cannot be compiled runs its torch ops.
     """
 
     def __init__(self, name: str, source: str, fn, artifact_dir: Path | None) -> None:
@@ -110,46 +154,74 @@ class FusedRegion:
         self.digest: str | None = None
         self.artifact_sha: str | None = None
         self.loaded = False  # the compiled artifact came from disk
+        self.unchecked = False  # loaded, its outputs not yet compared with its torch ops
 
     def __call__(self, *args):
-        if _reference.get():
+        if _as_torch_ops.get():
             return self.fn(*args)
         if self.compiled is None:
             self._make(args)
+        if self.unchecked:
+            return self._first_loaded_call(args)
         try:
             return self.compiled(*args)
         except AssertionError:  # inputs with other strides than the compiled ones: run the torch ops
+            fallbacks.report("region_strides", f"fusion region {self.name} called with other strides: torch ops ran")
             return self.fn(*args)
 
+    def _first_loaded_call(self, args):
+        """A loaded artifact's first outputs against the region's torch ops; a mismatch compiles it again."""
+        self.unchecked = False
+        want = self.fn(*args)
+        try:
+            got = self.compiled(*args)
+            problem = None if _all_close(got, want) else "outputs differ from its torch ops"
+        except Exception as e:
+            problem = f"raised {type(e).__name__}: {e}"
+        if problem is None:
+            return got
+        from thunder_batch.compile.cache import warn
+
+        warn(f"compiled fusion region {self.digest}.bin ignored, compiling again: {problem}")
+        self.loaded, self.artifact_sha = False, None
+        self._compile(args)
+        return want
+
     def _make(self, args) -> None:
-        self.digest = hashlib.sha256(repr((self.source, [_meta(a) for a in args], torch.__version__)).encode())
-        self.digest = self.digest.hexdigest()[:32]
-        if self._load():
-            return
+        from thunder_batch.compile.provenance import codegen
+
+        key = (self.source, [_meta(a) for a in args], torch.__version__, codegen("cpu"))
+        self.digest = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+        if not self._load():
+            self._compile(args)
+
+    def _compile(self, args) -> None:
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        graph = make_fx(self.fn)(*args)
-        artifact = torch._inductor.standalone_compile(graph, list(args), dynamic_shapes="from_example_inputs")
+        try:
+            graph = make_fx(self.fn)(*args)
+            artifact = torch._inductor.standalone_compile(graph, list(args), dynamic_shapes="from_example_inputs")
+        except Exception as e:  # no compiler, an unwritable or full disk for Inductor's files
+            fallbacks.report("unfused_region", f"a fusion region could not be compiled ({type(e).__name__}: {e})")
+            self.compiled = self.fn
+            return
         self.compiled = artifact
         self._save(artifact)
 
-    def _path(self) -> Path | None:
-        return None if self.artifact_dir is None else self.artifact_dir / f"{self.digest}.bin"
+    def _path(self, suffix: str = ".bin") -> Path | None:
+        return None if self.artifact_dir is None else self.artifact_dir / f"{self.digest}{suffix}"
 
     def _load(self) -> bool:
         path = self._path()
         if path is None or not path.exists():
             return False
-        from thunder_batch.compile.cache import sha256, unsafe_reason, warn
+        from thunder_batch.compile.cache import sha256, warn
 
         try:
-            problem = unsafe_reason(path, directory=False)
-            data = path.read_bytes() if problem is None else b""
-            if problem is None and self.artifact_sha not in (None, sha256(data)):
-                problem = "content hash mismatch (damaged or edited)"
+            data, problem = _checked_bytes(path, self._path(".sha256"), self.artifact_sha)
             if problem is None:
                 self.compiled = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
-                self.artifact_sha, self.loaded = sha256(data), True
+                self.artifact_sha, self.loaded, self.unchecked = sha256(data), True, True
                 return True
         except Exception as e:
             problem = f"unloadable ({type(e).__name__}: {e})"
@@ -163,12 +235,18 @@ class FusedRegion:
         from thunder_batch.compile.cache import sha256, write_atomically
 
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        artifact.save(path=str(tmp), format="binary")
-        data = tmp.read_bytes()
-        tmp.unlink()
-        if write_atomically(path, data):
-            self.artifact_sha = sha256(data)
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            artifact.save(path=str(tmp), format="binary")
+            data = tmp.read_bytes()
+        except OSError as e:
+            fallbacks.report("region_unsaved", f"a compiled fusion region could not be stored ({e.strerror or e})")
+            return
+        finally:
+            tmp.unlink(missing_ok=True)
+        digest = sha256(data)  # the hash first: a reader never finds an artifact without its hash
+        if write_atomically(self._path(".sha256"), digest.encode()) and write_atomically(path, data):
+            self.artifact_sha = digest
 
     @property
     def stored(self) -> bool:

@@ -14,26 +14,39 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile.cache import EntryStore, make_key, piece_key, warn
 from thunder_batch.compile.fusion import EXECUTOR as FUSION
-from thunder_batch.compile.fusion import artifacts_in, has_regions, reference_regions
+from thunder_batch.compile.fusion import artifacts_in, regions_as_torch_ops
 from thunder_batch.compile.kernels import EXECUTOR, KernelsMode
 from thunder_batch.compile.pieces import SharedTraces, TracedPiece, piece_from_record, trace_piece
 from thunder_batch.compile.signature import paths_from_json, paths_to_json
+from thunder_batch.compile.step import describe_options
 from thunder_batch.program import StepProgram
 
 # Load-time check of a stored piece against the eager module on the same inputs.
 LOAD_RTOL, LOAD_ATOL = 1e-4, 1e-5
 
 
+@dataclass
+class _Probe:
+    """Each piece's inputs in a step of one shape whose every row is real (the load-time check's)."""
+
+    prefix: tuple
+    block: tuple
+    head: tuple
+
+
 class _Shape:
     """The programs of one step shape (rows N, cache entries read L); heads are per N, shared."""
 
-    def __init__(self, ignored: set, heads: dict[str, Callable]) -> None:
+    def __init__(self, rows: int, length: int, ignored: set, heads: dict[str, Callable]) -> None:
+        self.rows, self.length = rows, length
+        self.probe: _Probe | None = None  # made when a stored piece of this shape is first checked
         self.prefix: Callable | None = None
         self.blocks: dict[int, Callable] = {}
         self.heads = heads
@@ -44,20 +57,22 @@ class _Shape:
 class LayeredProgram:
     """Called like the step program; makes each piece's program on first use at each shape.
 
-    options: thunder.jit keyword arguments; describe_options(): (executor names, options as data)
-    for the cache key; store: the compile cache, or None to keep programs in memory only."""
+    options: thunder.jit keyword arguments (heads leave the fusion out: `head_options`); store: the
+    compile cache, or None to keep programs in memory only; probe_inputs(rows, length): the step's
+    arguments with every row real (the runner's), on which a stored piece is checked against eager
+    before it runs (None: on the first call's own arguments)."""
 
     def __init__(
         self,
         program: StepProgram,
         config,
         options: dict,
-        describe_options: Callable[[], tuple],
         store: EntryStore | None,
+        probe_inputs: Callable[[int, int], tuple] | None = None,
     ) -> None:
         self.program, self.config, self.options, self.store = program, config, options, store
-        self._describe_options = describe_options
-        self._base_key = None  # the cache key's fields shared by every piece
+        self.probe_inputs = probe_inputs
+        self._base_keys: dict[bool, object] = {}  # head or not -> the key fields its pieces share
         self._shapes: dict[tuple[int, int], _Shape] = {}
         self._heads: dict[int, dict[str, Callable]] = {}  # rows N -> head programs
         # Checked values two identical block traces showed not to matter (litgpt's block_idx): a
@@ -70,7 +85,7 @@ class LayeredProgram:
         self.calls = 0
         self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
         names = [getattr(ex, "name", None) for ex in options.get("executors", ())]
-        self._reference = KernelsMode if EXECUTOR in names else contextlib.nullcontext
+        self._eager_kernels = KernelsMode if EXECUTOR in names else contextlib.nullcontext
         # Heads are not fused: a few ops a step, and fused logits could move a near-tie's argmax.
         executors = [ex for ex in options.get("executors", ()) if ex.name != FUSION]
         self.head_options = dict(options, executors=executors) if FUSION in names else options
@@ -98,7 +113,7 @@ class LayeredProgram:
         rows, length = int(idx.shape[0]), int(key_pos.shape[0])
         shape = self._shapes.get((rows, length))
         if shape is None:
-            shape = self._shapes[rows, length] = _Shape(self.ignored, self._heads.setdefault(rows, {}))
+            shape = self._shapes[rows, length] = _Shape(rows, length, self.ignored, self._heads.setdefault(rows, {}))
         x, *shared = self._prefix(shape, (idx, input_pos, row_slot, key_pos))
         for i in range(len(self.program.blocks)):
             x = self._block(shape, i, (x, *shared))
@@ -112,19 +127,32 @@ class LayeredProgram:
 
     # -- pieces -------------------------------------------------------------------------------
     def _head(self, shape: _Shape, head: str, args: tuple):
-        kind = "head" if head == "filtered" else f"head-{head}"
+        kind = f"head-{head}"
         fn = shape.heads.get(kind)
         if fn is None:
-            fn, out = self._make(kind, self.program.heads[head], args)
+            fn, out = self._make(kind, self.program.heads[head], args, lambda: self._probe(shape, args).head)
             shape.heads[kind] = fn
             return out
         return fn(*args)
 
     def _prefix(self, shape: _Shape, args: tuple):
         if shape.prefix is None:
-            shape.prefix, out = self._make("prefix", self.program.prefix, args)
+            probe = lambda: self._probe(shape, args).prefix  # noqa: E731
+            shape.prefix, out = self._make("prefix", self.program.prefix, args, probe)
             return out
         return shape.prefix(*args)
+
+    def _probe(self, shape: _Shape, args: tuple) -> _Probe:
+        """The shape's probe (every row real: lanes read what they wrote, decode rows their history); without
+        `probe_inputs`, the call's own `args` serve every piece they fit."""
+        if shape.probe is None:
+            if self.probe_inputs is None:
+                return _Probe(args, args, args)
+            idx, input_pos, row_slot, key_pos, *sampling = self.probe_inputs(shape.rows, shape.length)
+            with self._eager_kernels():
+                x, *shared = self.program.prefix(idx, input_pos, row_slot, key_pos)
+            shape.probe = _Probe((idx, input_pos, row_slot, key_pos), (x, *shared), (x, input_pos, *sampling))
+        return shape.probe
 
     def _block(self, shape: _Shape, i: int, args: tuple):
         fn = shape.blocks.get(i)
@@ -141,7 +169,7 @@ class LayeredProgram:
                 self._load_stored_blocks(shape, args)
             piece = shape.shared.find(module)
             if piece is not None:
-                bound, out = self._first_call(shape.shared, piece, module, args)
+                bound, out = self._first_call(shape.shared, piece, module, args, self._probe(shape, args).block)
                 if bound is not None:
                     shape.blocks[i] = bound
                     return out
@@ -153,37 +181,37 @@ class LayeredProgram:
         finally:
             self.seconds["block"] += time.perf_counter() - start
 
-    def _first_call(self, shared: SharedTraces, piece: TracedPiece, module, args):
+    def _first_call(self, shared: SharedTraces, piece: TracedPiece, module, args, probe: tuple):
         """(the piece bound to a new layer, its outputs); a stored piece is checked first against the
-        eager module, and one that fails is dropped: (None, None)."""
+        eager module on the `probe` inputs, and one that fails is dropped: (None, None)."""
         bound = piece.bind(module)
         if piece.jitted is not None:
             return bound, bound(*args)
-        out, problem = checked_call(bound, module, args, self._reference)
+        problem = checked_call(bound, module, probe, self._eager_kernels)
         if problem:
             warn(f"compile cache block entry ignored, retracing: failed its load-time check ({problem})")
             shared.traces.remove(piece)
             self.pieces.remove(piece)
             self.loaded["block"] -= 1
             return None, None
-        return bound, out
+        return bound, bound(*args)
 
-    def _make(self, kind: str, module, args: tuple):
-        """A prefix or head program: loaded if stored and sound, else traced (and stored)."""
+    def _make(self, kind: str, module, args: tuple, probe: Callable[[], tuple]):
+        """A prefix or head program: loaded if stored and sound on the `probe()` inputs, else traced (and stored)."""
         start = time.perf_counter()
         with self._making():
-            return self._load_or_trace(kind, module, args, start)
+            return self._load_or_trace(kind, module, args, probe, start)
 
-    def _load_or_trace(self, kind: str, module, args: tuple, start: float):
+    def _load_or_trace(self, kind: str, module, args: tuple, probe: Callable[[], tuple], start: float):
         try:
             key = self._key(kind, "", args) if self.store is not None else None
             piece = self._load(key) if key is not None else None
             if piece is not None:
                 bound = piece.bind(module)
-                out, problem = checked_call(bound, module, args, self._reference)
+                problem = checked_call(bound, module, probe(), self._eager_kernels)
                 if not problem:
                     self._count(True, kind, piece, traced=False)
-                    return bound, out
+                    return bound, bound(*args)
                 warn(
                     f"compile cache entry {self.store.path(key).name} ignored, retracing: "
                     f"failed its load-time check ({problem})"
@@ -208,10 +236,12 @@ class LayeredProgram:
 
     # -- the compile cache --------------------------------------------------------------------
     def _key(self, kind: str, signature: str, args: tuple):
-        if self._base_key is None:  # made on first use: the model and options are final by then
-            executors, options = self._describe_options()
-            self._base_key = make_key(self.program, self.config, executors, options)
-        return piece_key(self._base_key, kind, signature, args)
+        """The piece's key, naming the executors and options it is traced with (heads': no fusion)."""
+        head = kind.startswith("head")
+        if head not in self._base_keys:  # made on first use: the model and options are final by then
+            options = self.head_options if head else self.options
+            self._base_keys[head] = make_key(self.program, self.config, *describe_options(options))
+        return piece_key(self._base_keys[head], kind, signature, args)
 
     def _load(self, key) -> TracedPiece | None:
         record = self.store.load(key)
@@ -286,27 +316,34 @@ class LayeredProgram:
         return [t for t in (piece.execution_trace() for piece in self.pieces) if t is not None]
 
 
-def checked_call(bound, module, args: tuple, reference=contextlib.nullcontext):
-    """Run a stored piece bound to `module` and the eager module on the same inputs from the same
-    buffer state; returns (the piece's outputs, what disagrees or None). Outputs and in-place writes
-    must agree. `reference`: a context the eager module runs in (the kernels the program's executors
-    claim, so both sides compute the same way). The piece's fusion regions run as their torch ops for
-    the check (their compiled code was checked by its hash when loaded), then compiled for the outputs."""
-    before = [b.clone() for b in bound.writes]
-    with reference():
-        want = module(*args)
-    after_eager = [b.clone() for b in bound.writes]
-    for buffer, saved in zip(bound.writes, before):
-        buffer.copy_(saved)
+def checked_call(bound, module, args: tuple, eager_kernels=contextlib.nullcontext) -> str | None:
+    """What disagrees between a stored piece bound to `module` and the eager module run on the same
+    inputs from the same buffer contents (random: the KV caches' entries that real rows read), or None.
+    Outputs and in-place writes must agree; the buffers are left as they were. `eager_kernels`: a context
+    the eager module runs in (the kernels the program's executors claim, so both sides compute the same
+    way). The piece's fusion regions run as their torch ops (each compiled region is checked on its own)."""
+    saved = [b.clone() for b in bound.writes]
     try:
-        with reference_regions():
+        _fill_randomly(bound.writes)
+        with eager_kernels():
+            want = module(*args)
+        eager_writes = [b.clone() for b in bound.writes]
+        _fill_randomly(bound.writes)
+        with regions_as_torch_ops():
             got = bound(*args)
-        problem = _disagreement(bound, got, want, after_eager)
-        if problem is None and has_regions(bound.computation):
-            got = bound(*args)  # the same writes again, from the compiled regions
+        return _disagreement(bound, got, want, eager_writes)
     except Exception as e:
-        return None, f"raised {type(e).__name__}: {e}"
-    return got, problem
+        return f"raised {type(e).__name__}: {e}"
+    finally:
+        for buffer, before in zip(bound.writes, saved):
+            buffer.copy_(before)
+
+
+def _fill_randomly(buffers: list[torch.Tensor]) -> None:
+    """The same pseudo-random contents on every call (both sides of a check start alike)."""
+    generator = torch.Generator().manual_seed(0)
+    for buffer in buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=generator, dtype=torch.float32))
 
 
 def _disagreement(bound, got, want, eager_writes: list) -> str | None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from thunder_batch import fallbacks
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import executors as executor_lists
 from thunder_batch.compile.executors import resolve_executors
@@ -55,13 +56,14 @@ def compile_program(program: nn.Module, config: EngineConfig) -> Callable:
     return thunder.jit(program, **compile_options(config))
 
 
-def load_or_compile_program(program: StepProgram, config: EngineConfig) -> Callable:
+def load_or_compile_program(program: StepProgram, config: EngineConfig, probe_inputs=None) -> Callable:
     """The step program to call. Eager: `program` itself. trace="layers" (default): a LayeredProgram
-    whose pieces are traced once per step shape or loaded from the compile cache (config.cache_dir).
+    whose pieces are traced once per step shape or loaded from the compile cache (config.cache_dir) and
+    checked against eager on `probe_inputs(rows, length)` (see LayeredProgram).
     trace="step": the whole step as one Thunder trace per shape, kept in memory only. With
     cuda_graphs, either is wrapped in a CUDAGraphProgram (one CUDA graph per step shape and head)."""
     check_compile_setup(program, config)  # fail at construction, not at the first step
-    fn = _load_or_compile(program, config)
+    fn = _load_or_compile(program, config, probe_inputs)
     if not config.cuda_graphs:
         return fn
     from thunder_batch.compile.cuda_graphs import CUDAGraphProgram, CUDAGraphs
@@ -69,7 +71,7 @@ def load_or_compile_program(program: StepProgram, config: EngineConfig) -> Calla
     return CUDAGraphProgram(fn, CUDAGraphs(next(program.parameters()).device))
 
 
-def _load_or_compile(program: StepProgram, config: EngineConfig) -> Callable:
+def _load_or_compile(program: StepProgram, config: EngineConfig, probe_inputs) -> Callable:
     if config.compile == "eager" or config.trace == "step":
         return compile_program(program, config)
     import_thunder()  # the compat patches must come before any thunder import
@@ -82,19 +84,19 @@ def _load_or_compile(program: StepProgram, config: EngineConfig) -> Callable:
         program,
         config,
         compile_options(config),
-        lambda: describe_options(config),
         EntryStore(resolve_root(config.cache_dir), next(program.parameters()).device),
+        probe_inputs,
     )
 
 
-def describe_options(config: EngineConfig) -> tuple[tuple[str, ...], dict]:
-    """(executor names in claim order, the other jit options as plain data): part of the cache key."""
+def describe_options(options: dict) -> tuple[tuple[str, ...], dict]:
+    """(executor names in claim order, the other jit options as plain data) of the thunder.jit `options`
+    a piece is traced with: what the cache key records of them."""
     thunder = import_thunder()
-    options = compile_options(config)
-    executors = options.pop("executors")
-    names = tuple(ex.name for ex in (*executors, *thunder.get_always_executors()))
-    options["transforms"] = [type(t).__name__ for t in options.get("transforms", ())]
-    return names, options
+    data = {k: v for k, v in options.items() if k != "executors"}
+    names = tuple(ex.name for ex in (*options["executors"], *thunder.get_always_executors()))
+    data["transforms"] = [type(t).__name__ for t in data.get("transforms", ())]
+    return names, data
 
 
 def is_compiled(fn: Callable) -> bool:
@@ -106,8 +108,9 @@ def program_stats(fn: Callable) -> dict:
     (`cache_hits`), programs made per piece (`programs`), how many were traced and how many loaded
     from the compile cache, the traces Thunder itself counts (`thunder_traces`: a retrace shows
     here even where the other counters would miss it), the seconds spent making them, whether the
-    tracing speedups are on (`trace_speedups`: "on", or "off: why") and, with CUDA graphs, the
-    graphs captured and replayed (`cuda_graphs`)."""
+    tracing speedups are on (`trace_speedups`: "on", or "off: why"), the slower paths this process
+    took (`fallbacks`, see thunder_batch.fallbacks) and, with CUDA graphs, the graphs captured and
+    replayed (`cuda_graphs`)."""
     from thunder_batch.compile import trace_speedups
     from thunder_batch.compile.cuda_graphs import CUDAGraphProgram
     from thunder_batch.compile.layered import LayeredProgram
@@ -115,7 +118,7 @@ def program_stats(fn: Callable) -> dict:
     if isinstance(fn, CUDAGraphProgram):
         return fn.add_stats(program_stats(fn.program))
     if isinstance(fn, LayeredProgram):
-        return dict(fn.stats(), trace_speedups=trace_speedups.status())
+        return dict(fn.stats(), trace_speedups=trace_speedups.status(), fallbacks=fallbacks.counts())
     stats = dict(
         cache_misses=0,
         cache_hits=0,
@@ -127,6 +130,7 @@ def program_stats(fn: Callable) -> dict:
         compile_seconds=0.0,
         compile_seconds_by_piece={},
         trace_speedups="off: nothing is traced (eager)",
+        fallbacks=fallbacks.counts(),
     )
     if is_compiled(fn):  # trace="step": one Thunder trace per shape
         thunder = import_thunder()
