@@ -8,6 +8,7 @@ same flags (tests/test_architectures.py runs every group).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from litgpt import GPT, Config
 from litgpt.config import configs as litgpt_configs
@@ -216,3 +217,13 @@ def use_defaults_without_fusion() -> None:
     from thunder_batch.compile import executors
 
     executors.default_executors = defaults_without_fusion(executors.default_executors)
+
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs an NVIDIA GPU: torch.cuda.is_available() is False here"
+)
+
+
+def kv_buffers(engine) -> list:
+    """Every layer's K and V cache buffer of an engine."""
+    return [t for cache in engine.runner.caches for t in (cache.k, cache.v)]

@@ -19,11 +19,7 @@ from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.compile.cuda_graphs import CUDAGraphProgram, graph_key
 from thunder_batch.compile.step import execution_traces
 
-from helpers import mixed_prompts, tiny_gpt
-
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs an NVIDIA GPU: torch.cuda.is_available() is False here"
-)
+from helpers import kv_buffers, mixed_prompts, needs_cuda, tiny_gpt
 
 SHAPE = dict(batch_size=2, max_seq_length=32, prefill_chunk=4)  # two step shapes: decode only, 2 lanes of 4
 LENGTHS = [1, 3, 6, 9, 2]  # 5 prompts through 2 slots: slots reused, prompts chunked and padded
@@ -162,6 +158,30 @@ def test_replays_read_fresh_inputs_and_hand_out_copies():
     assert len(graphs.graphs) == 2
 
 
+class FailingBackend:
+    """A capture that fails (as a CUDA graph capture can: an op that syncs, a driver error)."""
+
+    def capture(self, run):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_leaves_that_shape_uncaptured_and_its_output_kept(prompts, monkeypatch):
+    from thunder_batch import fallbacks
+
+    monkeypatch.setattr(fallbacks, "_counts", fallbacks.Counter())
+    monkeypatch.setattr(fallbacks, "_warned", set())
+    engine = Engine(tiny_gpt("llama", n_layer=1), EngineConfig(compile="eager", **SHAPE))
+    spy = Spy(engine.runner.step_fn)
+    engine.runner.step_fn = graphs = CUDAGraphProgram(spy, FailingBackend())
+    reference = Engine(tiny_gpt("llama", n_layer=1), EngineConfig(compile="eager", **SHAPE))
+    with pytest.warns(fallbacks.FallbackWarning, match="could not be captured in a CUDA graph") as caught:
+        assert run(engine, prompts) == run(reference, prompts)  # every step's output kept, bit for bit
+    assert len(caught) == 1  # reported once
+    keys = set(spy.calls)
+    assert len(spy.calls) == graphs.calls and len(graphs.uncaptured) == len(keys) and not graphs.graphs
+    assert fallbacks.counts()["cuda_graph_capture"] == len(keys)  # one failed capture per key, never retried
+
+
 def test_cuda_graphs_work_with_either_trace_but_need_cuda():
     for trace in ("layers", "step"):
         EngineConfig(cuda_graphs=True, trace=trace)
@@ -180,21 +200,21 @@ def test_layered_program_under_recorded_graphs_matches_it_uncaptured(prompts, tm
     graphs, backend = with_recorded_graphs(engine)
     assert run(engine, prompts) == want
     stats = engine.stats()
-    assert stats["cuda_graphs"] == dict(captured=len(backend.graphs), replays=graphs.replays)
+    assert stats["cuda_graphs"] == dict(captured=len(backend.graphs), replays=graphs.replays, uncaptured=0)
     assert graphs.replays > 5 and stats["cache_misses"] == 2 and stats["cache_hits"] == graphs.calls - 2
     assert stats["disk_cache_hits"] > 0 and stats["traced"] == 0
 
 
 # -- CUDA --------------------------------------------------------------------------------------------
-def kv_buffers(engine: Engine) -> list[torch.Tensor]:
-    return [t for cache in engine.runner.caches for t in (cache.k, cache.v)]
-
-
 @needs_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("trace", ["layers", "step"])
-def test_cuda_graphs_match_eager_with_the_cache_written_in_place(trace, prompts, tmp_path):
-    config = EngineConfig(**SHAPE, cuda_graphs=True, trace=trace, cache_dir=str(tmp_path))
+@pytest.mark.regression
+@pytest.mark.parametrize(
+    "trace,executors", [("layers", None), ("step", None), ("step", ("torchcompile", "torch"))], ids=str
+)
+def test_cuda_graphs_match_eager_with_the_cache_written_in_place(trace, executors, prompts, tmp_path):
+    """CUDA graphs wrap the composed step from outside (no CUDAGraph region in Thunder's traces)."""
+    config = EngineConfig(**SHAPE, cuda_graphs=True, trace=trace, executors=executors, cache_dir=str(tmp_path))
     engine = Engine(tiny_gpt("llama", n_layer=2).cuda(), config)
     pointers = [b.data_ptr() for b in kv_buffers(engine)]
     eager = Engine(tiny_gpt("llama", n_layer=2).cuda(), EngineConfig(compile="eager", **SHAPE))

@@ -13,7 +13,8 @@ import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.compile.cache import CompileCacheWarning
-from thunder_batch.compile.fusion import REGION_PREFIX, FusedRegion, regions_of
+from thunder_batch.compile.fused_region import FusedRegion, regions_of
+from thunder_batch.compile.fusion import REGION_PREFIX
 from thunder_batch.compile.inplace import INDEX_COPY_OPERATOR
 from thunder_batch.compile.step import execution_traces
 
@@ -89,7 +90,7 @@ def test_a_damaged_or_unsafe_region_is_compiled_again_with_one_warning(tmp_path,
 def test_the_simd_probe_runs_in_inductors_own_place_before_its_caches_move_under_the_root(tmp_path, monkeypatch):
     from torch._inductor import cpu_vec_isa
 
-    from thunder_batch.compile.fusion import artifacts_in
+    from thunder_batch.compile.fused_region import artifacts_in
 
     probed_in = []
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -101,3 +102,93 @@ def test_the_simd_probe_runs_in_inductors_own_place_before_its_caches_move_under
     with artifacts_in(tmp_path):
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "inductor-cache").absolute())
     assert probed_in == [None]  # probed once, where every compile root's builds find its test builds
+
+
+def test_heads_are_keyed_on_the_executors_they_are_traced_with(tmp_path):
+    """Heads are traced without the fusion: their entries name the executors actually used."""
+    import json
+
+    greedy(engine("llama", tmp_path))
+    keys = [json.loads(p.read_text())["key"] for p in tmp_path.glob("*.json")]
+    executors = {k["piece"]: k["executors"] for k in keys}
+    assert "inductor" in executors["block"] and "inductor" in executors["prefix"]
+    heads = [piece for piece in executors if piece.startswith("head-")]
+    assert heads and all("inductor" not in executors[h] for h in heads)
+
+
+@pytest.fixture
+def fresh_fallbacks(monkeypatch):
+    from thunder_batch import fallbacks
+
+    monkeypatch.setattr(fallbacks, "_counts", fallbacks.Counter())
+    monkeypatch.setattr(fallbacks, "_warned", set())
+    return fallbacks
+
+
+def test_without_a_compiler_regions_run_unfused_with_one_warning(tmp_path, monkeypatch, fresh_fallbacks):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C++ compiler")
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", no_compiler)
+    unfused = engine("llama", tmp_path)
+    with pytest.warns(fresh_fallbacks.FallbackWarning, match="could not be compiled") as caught:
+        assert greedy(unfused) == [litgpt_greedy(tiny_gpt("llama"), p, 5) for p in PROMPTS]
+    assert len([w for w in caught if issubclass(w.category, fresh_fallbacks.FallbackWarning)]) == 1
+    assert unfused.stats()["fallbacks"]["unfused_region"] > 0  # each region, at each shape it ran
+    assert not list((tmp_path / "inductor").glob("*.bin"))
+
+
+def test_on_a_full_disk_regions_run_compiled_and_are_not_stored(tmp_path, monkeypatch, fresh_fallbacks):
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    from torch._inductor.standalone_compile import CacheCompiledArtifact
+
+    monkeypatch.setattr(CacheCompiledArtifact, "save", full_disk)  # what standalone_compile returns
+    fused = engine("llama", tmp_path)
+    with pytest.warns(fresh_fallbacks.FallbackWarning, match="could not be stored"):
+        assert greedy(fused) == [litgpt_greedy(tiny_gpt("llama"), p, 5) for p in PROMPTS]
+    fallbacks = fused.stats()["fallbacks"]
+    assert fallbacks["region_unsaved"] > 0 and "unfused_region" not in fallbacks  # compiled all the same
+    assert not list((tmp_path / "inductor").glob("*.bin"))
+
+
+TWICE_PLUS_ONE = "import torch\n\ndef fused_region(x):\n  return (torch.add(torch.mul(x, 2), 1),)\n"
+THRICE = "import torch\n\ndef fused_region(x):\n  return (torch.mul(x, 3),)\n"
+
+
+def test_a_region_traced_afresh_checks_the_artifact_it_finds(tmp_path):
+    """A region traced afresh (no stored piece naming its artifact's hash) finds its artifact by digest:
+    a damaged one fails the hash written beside it at save time; another region's artifact, with its
+    own valid hash, fails the comparison with the region's torch ops. Each: one warning, compiled again."""
+    from thunder_batch.compile.fused_region import artifacts_in, make_region
+
+    x = torch.randn(4, 6)
+    with artifacts_in(tmp_path), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made = [make_region("InductorFusion0", source, {}) for source in (TWICE_PLUS_ONE, THRICE)]
+        assert [torch.equal(r(x)[0], want) for r, want in zip(made, (x * 2 + 1, x * 3))] == [True, True]
+        path = tmp_path / "inductor" / f"{made[0].digest}.bin"
+        path.write_bytes(path.read_bytes()[:-64] + b"\0" * 64)  # damaged
+        again = make_region("InductorFusion0", TWICE_PLUS_ONE, {})
+        assert torch.equal(again(x)[0], x * 2 + 1) and not again.loaded
+        other = tmp_path / "inductor" / f"{made[1].digest}"
+        path.write_bytes(other.with_suffix(".bin").read_bytes())  # another region's artifact and its hash
+        path.with_suffix(".sha256").write_bytes(other.with_suffix(".sha256").read_bytes())
+        swapped = make_region("InductorFusion0", TWICE_PLUS_ONE, {})
+        assert torch.equal(swapped(x)[0], x * 2 + 1) and torch.equal(swapped(x)[0], x * 2 + 1)
+    messages = [str(w.message) for w in caught if issubclass(w.category, CompileCacheWarning)]
+    assert len(messages) == 2 and "content hash mismatch" in messages[0] and "torch ops" in messages[1], messages
+
+
+def test_a_region_called_with_other_strides_runs_its_torch_ops_and_says_so(tmp_path, fresh_fallbacks):
+    from thunder_batch.compile.fused_region import artifacts_in, make_region
+
+    with artifacts_in(tmp_path):
+        region = make_region("InductorFusion0", TWICE_PLUS_ONE, {})
+        x = torch.randn(4, 6)
+        assert torch.equal(region(x)[0], x * 2 + 1)
+        other = torch.randn(6, 4).t()  # the same shape, transposed strides
+        with pytest.warns(fresh_fallbacks.FallbackWarning, match="other strides"):
+            assert torch.equal(region(other)[0], other * 2 + 1)
+    assert fresh_fallbacks.counts() == {"region_strides": 1}

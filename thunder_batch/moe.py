@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from litgpt.model import LLaMAMoE
 from torch import nn
 
+from thunder_batch import fallbacks
+
 LAYOUTS = ("grouped", "gathered", "dense")
 
 
@@ -57,6 +59,13 @@ class StackedExperts(nn.Module):
         self.fc_bias = _parameter([[linear.bias for linear in e] for e in fc]) if cfg.bias else None  # [E, 2I]
         self.proj_bias = _parameter([[linear.bias for linear in e] for e in proj]) if cfg.bias else None  # [E, C]
         self.grouped_runs = _grouped_runs(self)  # a plain attribute: the trace depends on it
+        if not self.grouped_runs and layout in (None, "grouped"):
+            fallbacks.report(
+                "moe_layout",
+                f"torch's grouped matmul does not run this mixture-of-experts layer ({self.fc.dtype}, "
+                f"{self.fc.device.type}, experts {self.fc.shape[1]} x {self.fc.shape[2]}): the gathered or dense "
+                "layout runs instead (more weight reads or FLOPs)",
+            )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """litgpt's routing: (weights [N, k], experts [N, k]) for x [N, C]."""

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from thunder_batch import fallbacks
+
 
 class CUDAGraphs:
     """Capture on one device: a side stream and a memory pool shared by every graph of the program."""
@@ -71,6 +73,7 @@ class CUDAGraphProgram:
     def __init__(self, program: Callable, backend) -> None:
         self.program, self.backend = program, backend
         self.graphs: dict[tuple, _Captured] = {}
+        self.uncaptured: set[tuple] = set()  # keys whose capture failed: they run as the program
         self.calls = 0
         self.replays = 0
 
@@ -83,7 +86,8 @@ class CUDAGraphProgram:
         captured = self.graphs.get(key)
         if captured is None:
             out = self.program(*args, head=head)  # makes the pieces of this shape and head
-            self.graphs[key] = self._capture(args, head)
+            if key not in self.uncaptured:
+                self._try_capture(key, args, head)
             return out
         for static, arg in zip(captured.inputs, args):
             if static is not None:
@@ -91,6 +95,15 @@ class CUDAGraphProgram:
         captured.graph.replay()
         self.replays += 1
         return _copied(captured.outputs)
+
+    def _try_capture(self, key: tuple, args: tuple, head: str) -> None:
+        """Capture `key`'s graph; if that fails, the key runs uncaptured from now on (reported)."""
+        try:
+            self.graphs[key] = self._capture(args, head)
+        except Exception as e:
+            self.uncaptured.add(key)
+            message = f"a step shape could not be captured in a CUDA graph ({type(e).__name__}: {e})"
+            fallbacks.report("cuda_graph_capture", message + ": it runs uncaptured")
 
     def _capture(self, args: tuple, head: str) -> _Captured:
         inputs = tuple(None if a is None else a.clone() for a in args)
@@ -102,7 +115,7 @@ class CUDAGraphProgram:
         return dict(
             stats,
             cache_hits=max(self.calls - stats["cache_misses"], 0),
-            cuda_graphs=dict(captured=len(self.graphs), replays=self.replays),
+            cuda_graphs=dict(captured=len(self.graphs), replays=self.replays, uncaptured=len(self.uncaptured)),
         )
 
 

@@ -83,7 +83,7 @@ def trace_piece(module: nn.Module, args: Sequence[torch.Tensor], options: dict):
 def program_text(trace) -> str:
     """The computation as Python, followed by the source of each fusion region it calls: a region's
     call alone does not say what it computes (two layers' blocks can call different regions by one name)."""
-    from thunder_batch.compile.fusion import FusedRegion
+    from thunder_batch.compile.fused_region import FusedRegion
 
     calls = [v for b in trace.bound_symbols for v in (b._call_ctx or {}).values() if isinstance(v, FusedRegion)]
     return "\n".join([trace.python(), *(f"# {r.name}\n{r.source}" for r in calls)])

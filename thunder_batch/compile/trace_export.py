@@ -116,7 +116,7 @@ def _written_inputs(trace) -> set[str]:
 def ctx_recipe(name: str, obj) -> list[str]:
     """How to get `obj` back in a fresh process; it must round-trip to the very same object here
     (a region of the "inductor" fusion executor: its source, and its compiled artifact on disk)."""
-    from thunder_batch.compile.fusion import FusedRegion
+    from thunder_batch.compile.fused_region import FusedRegion
 
     if isinstance(obj, FusedRegion):
         if not obj.stored:
@@ -167,7 +167,7 @@ def resolve_recipe(recipe: Sequence[str]):
             obj = getattr(obj, part)
         return obj
     if kind == "inductor":
-        from thunder_batch.compile.fusion import FusedRegion
+        from thunder_batch.compile.fused_region import FusedRegion
 
         return FusedRegion.from_recipe(list(recipe), resolve_recipe)
     if kind == "executor_op":  # an operator registered with an implementation lambda (no import path)

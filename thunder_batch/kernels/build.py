@@ -12,12 +12,14 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import os
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from thunder_batch import fallbacks
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 # -fopenmp: torch's own libgomp has the same soname, so the kernels share its OpenMP thread pool.
@@ -57,7 +59,26 @@ def locked_build_dir(build_dir: Path) -> Iterator[Path]:
 
 @functools.cache
 def unavailable() -> str | None:
-    """Why the kernels cannot run here, or None once they are built and loaded (once per process)."""
+    """Why the kernels cannot run here, or None once they are built and loaded (once per process).
+    Unavailable kernels are reported once (fallbacks: torch's linears run instead)."""
+    reason = _build_and_load()
+    if reason is not None:
+        fallbacks.report("native_kernels", f"native CPU kernels unavailable ({reason}): torch's linears run instead")
+    return reason
+
+
+def copy_source(build_dir: Path) -> Path:
+    """The kernel source in the build dir, built from a copy (a checkout's edits never race a build); a
+    copy that differs from it (cut short by a killed process) is replaced, atomically."""
+    source = build_dir / SOURCE.name
+    if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+        partial = build_dir / f".{SOURCE.name}.{os.getpid()}.tmp"
+        shutil.copyfile(SOURCE, partial)
+        os.replace(partial, source)
+    return source
+
+
+def _build_and_load() -> str | None:
     if "avx512f" not in cpu_flags():
         return "this CPU has no AVX-512F"
     try:
@@ -65,9 +86,7 @@ def unavailable() -> str | None:
 
         name = build_name()
         with locked_build_dir(Path(_get_build_directory(name, verbose=False))) as build_dir:
-            source = build_dir / SOURCE.name  # built from a copy: a checkout's edits never race a build
-            if not source.exists():
-                shutil.copyfile(SOURCE, source)
+            source = copy_source(build_dir)
             load(
                 name=name,
                 sources=[str(source)],
@@ -77,7 +96,6 @@ def unavailable() -> str | None:
                 is_python_module=False,
             )
     except Exception as e:  # no compiler, no ninja, a build error: torch's kernels stay
-        print(f"thunder_batch: native kernels not built ({type(e).__name__}: {e})", file=sys.stderr)
         return f"build failed: {type(e).__name__}: {str(e)[:200]}"
     return None
 
