@@ -28,6 +28,11 @@ packages=(
   docstring-parser==0.18.0              # jsonargparse[signatures], as litgpt declares it
   typeshed-client==2.15.0
   gguf==0.19.0                          # converts the GGUF into a litgpt checkpoint on first use
+  pytest==9.2.0                         # the check's `pytest -m cuda` stage: the suite's CUDA tests
+  pluggy==1.7.0
+  iniconfig==2.3.1
+  pygments==2.21.0
+  pytest-timeout==2.4.0
 )
 platforms=()
 for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do

@@ -5,8 +5,9 @@ eager and transformers. Stages in priority order, so a run cut short still prove
 2. parity, fp32, the layered program, two step shapes: Thunder vs eager, Thunder + CUDA graphs vs eager,
    eager vs litgpt's generate_fn (gpu_check_stages.py)
 3. fusions: the regions of the traces and whether the KV write is inside one
-4. the real model's greedy answer (real weights only)
-5. bf16 benchmark: eager, Thunder, Thunder + CUDA graphs, transformers, per batch size (gpu_check_bench.py)
+4. the test suite's CUDA tests, `pytest -m cuda` (a failure fails the check)
+5. the real model's greedy answer (real weights only)
+6. bf16 benchmark: eager, Thunder, Thunder + CUDA graphs, transformers, per batch size (gpu_check_bench.py)
 
 Writes <out>/gpu_check.json after every stage. The verdict (gpu_check_report.py) is FAIL unless the
 Thunder-vs-eager and (on CUDA) CUDA-graph-vs-eager parity checks ran and matched. The budget starts no
@@ -37,7 +38,7 @@ import torch  # noqa: E402
 
 from gpu_check_bench import run_benchmark  # noqa: E402
 from gpu_check_report import Report, environment  # noqa: E402
-from gpu_check_stages import run_fusions, run_parity, run_smoke  # noqa: E402
+from gpu_check_stages import run_cuda_tests, run_fusions, run_parity, run_smoke  # noqa: E402
 
 # Defaults per device: (batches, budget s, deadline s, layers; 0 = all).
 DEFAULTS = {"cuda": ("1,8,64,256", 420, 470, 0), "cpu": ("2", 240, 300, 1)}
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return report.finish()
     thunder = run_parity(report, gpt, args.device)
     run_fusions(report, gpt, args.device, thunder)
+    run_cuda_tests(report, args.device)
     text_check(report, gpt, tokenizer)
     run_benchmark(report, gpt, args.device, args.batches, COMPILED_MODES[args.device])
     return report.finish()

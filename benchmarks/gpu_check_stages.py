@@ -1,10 +1,14 @@
 """The GPU check's proving stages, in priority order: a smoke test that fails fast and says which part is
 incompatible, then parity (Thunder vs eager, Thunder + CUDA graphs vs eager, eager vs litgpt's
-generate_fn) on the layered program with the fewest step shapes, then what the traces fuse."""
+generate_fn) on the layered program with the fewest step shapes, then what the traces fuse, then the
+test suite's CUDA tests (`pytest -m cuda`)."""
 
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -142,3 +146,24 @@ def run_fusions(report, gpt, device: str, thunder: Engine | None) -> None:
         section[executor] = fusion_summary(execution_traces(engine.runner.step_fn))
         line = fusion_line(section[executor])
         section["lines"][executor] = line if not nvfuser_missing else f"{line} (nvFuser absent: {nvfuser_missing})"
+
+
+CUDA_TESTS_S = 240  # what `pytest -m cuda` may take: tiny models, a few traced shapes each
+
+
+def run_cuda_tests(report, device: str) -> None:
+    """The suite's CUDA tests, which skip on every CPU machine: here they run, and a failure fails the check."""
+    if device != "cuda":
+        report.needs_cuda("pytest -m cuda (the test suite's CUDA tests)")
+        return
+    if not report.has_time(CUDA_TESTS_S, "pytest -m cuda"):
+        return
+    root = Path(__file__).resolve().parent.parent
+    with report.stage("cuda tests: pytest -m cuda"):
+        command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"]
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=CUDA_TESTS_S)
+        lines = (done.stdout or "").strip().splitlines()
+        summary = lines[-1] if lines else done.stderr[-500:]
+        report.data["cuda_tests"] = dict(returncode=done.returncode, summary=summary, tail=done.stdout[-4000:])
+        # pytest exits 0 when every selected test passed (5: none collected, a failure of the stage too)
+        report.check("pytest_cuda", dict(match=done.returncode == 0, summary=summary))

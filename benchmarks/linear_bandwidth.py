@@ -3,7 +3,7 @@
 Every linear of SmolLM2-135M (30 layers x qkv, proj, fc_1, fc_2, mlp.proj, plus lm_head), distinct
 weights so nothing stays in cache, at M rows: weight bytes / time per pass over all of them, against a
 plain read of the same bytes. Kernels: aten F.linear, oneDNN prepacked (`_linear_pointwise`), MKL
-packed (fp32), and the project's own fp32 kernel (`thunder_batch.kernels`) when built.
+packed (fp32), and the project's own fp32 kernel (`thunder_batch.native`) when built.
 
     python benchmarks/linear_bandwidth.py --rows 1,8 --dtypes bfloat16,float32
 """
@@ -51,7 +51,7 @@ def kernels(ws, x_for, rows: int, dtype):
             print(f"  mkl-packed unavailable: {e}")
     if dtype == torch.float32:
         try:
-            from thunder_batch.kernels.build import pack_linear_weight, packed_linear, unavailable
+            from thunder_batch.native.build import pack_linear_weight, packed_linear, unavailable
 
             if unavailable():
                 raise RuntimeError(unavailable())

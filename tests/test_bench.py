@@ -341,9 +341,13 @@ def test_two_precisions_ratios_token_checks_and_targets_from_fake_runs():
     peaks = dict(matmul_flops_per_s={"float32": 1e6, "bfloat16": 4e6}, copy_bytes_per_s=1e9)
     metrics = [report.run_metrics(r, cost, peaks, 100) for r in runs]
     assert [m["precision"] for m in metrics] == [r.precision for r in runs]
-    for m in metrics:
-        peak = peaks["matmul_flops_per_s"][m["precision"]]
-        assert m["peak_matmul_fraction"] == pytest.approx(m["flops_per_s"] / peak)
+    # Each request by hand: 3 prompt tokens and the first output token fed (positions 0..3, attending to
+    # pos + 1 keys), the lm_head once per output token; two requests per run.
+    fed = sum(2 * 1000 + 4 * 1 * 8 * (pos + 1) for pos in range(4))
+    useful = 2 * (fed + 2 * 2 * 500)
+    for m, r in zip(metrics, runs):
+        peak = peaks["matmul_flops_per_s"][r.precision]
+        assert m["peak_matmul_fraction"] == pytest.approx(useful / r.wall_s / peak)
     step_flops = 2 * (cost.span_flops(3, 1) + 2 * cost.lm_head_params)  # two busy slots per decode step
     assert metrics[3]["full_decode"]["peak_matmul_fraction"] == pytest.approx(step_flops / 0.01 / 4e6)
     assert metrics[5]["full_decode"]["peak_matmul_fraction"] == pytest.approx(step_flops / 0.02 / 1e6)
@@ -424,8 +428,10 @@ def test_two_precision_run_end_to_end(tmp_path, capsys):
     ]
     peaks = result["peaks"]["matmul_flops_per_s"]
     assert set(peaks) == {"float32", "bfloat16"} and min(peaks.values()) > 0
-    for (_, precision, _), m in runs.items():
+    for (_, precision, _), m in runs.items():  # each run against its own precision's peak (the math: above)
+        other = next(p for p in peaks if p != precision)
         assert m["peak_matmul_fraction"] == pytest.approx(m["flops_per_s"] / peaks[precision])
+        assert m["peak_matmul_fraction"] != pytest.approx(m["flops_per_s"] / peaks[other])
         assert m["output_tokens"] == 4 * result["workload"]["max_new_tokens_mean"]
     assert result["token_reference"] == {"float32": "eager@B=2", "bfloat16": "eager@B=1"}
     # fp32: litgpt and the engine agree exactly; bf16 runs are checked only against bf16 runs

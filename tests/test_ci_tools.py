@@ -84,6 +84,7 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert report["compile_s_per_shape_estimate"] > 0  # measured, not assumed
     needs = " | ".join(report["needs_cuda"])
     assert "CUDA graph capture" in needs and "thunder-cudagraphs vs eager" in needs and "KV write" in needs
+    assert "pytest -m cuda" in needs  # the suite's CUDA tests: a stage of the check on a GPU
     modes = {row["mode"] for row in report["benchmark"]["rows"]}
     assert {"eager", "thunder"} <= modes and all(row["ms_per_step"] > 0 for row in report["benchmark"]["rows"])
     assert report["fusions"]["default"]["kv_write_unfused"]  # the detector finds the KV write in the traces

@@ -40,7 +40,7 @@ from thunder_batch.compile.pieces import piece_from_record
 from thunder_batch.compile.step import compile_options
 from thunder_batch.compile.trace_export import NotExportable, ctx_recipe
 from thunder_batch.config import StepShape
-from thunder_batch.kernels import build as native_build
+from thunder_batch.native import build as native_build
 from thunder_batch.scheduler import StepPlan
 
 from helpers import tiny_gpt

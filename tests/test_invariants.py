@@ -20,6 +20,28 @@ def eager_engine(family="llama", **overrides) -> Engine:
     return Engine(tiny_gpt(family), EngineConfig(compile="eager", **{**ENGINE_CONFIG, **overrides}))
 
 
+def engine_for(compile: str, family="llama", **overrides) -> Engine:
+    """An eager engine, or a Thunder one with the default executors (the Inductor fusion included: the
+    tests passing "thunder" are marked `fusion`)."""
+    return Engine(tiny_gpt(family), EngineConfig(compile=compile, **{**ENGINE_CONFIG, **overrides}))
+
+
+# Engine-level invariants hold for the oracle and for the program users run.
+MODES = ["eager", pytest.param("thunder", marks=pytest.mark.fusion)]
+
+
+def host_syncs(trace) -> list[str]:
+    """Operations of a Thunder trace (nested ones included) that copy a tensor's value to the host."""
+    found = []
+    stack = list(trace.bound_symbols)
+    while stack:
+        bsym = stack.pop()
+        if bsym.sym.name in ("item", "tolist", "_local_scalar_dense"):
+            found.append(bsym.sym.name)
+        stack.extend(bsym.subsymbols)
+    return found
+
+
 def caches(engine: Engine):
     return engine.runner.caches
 
@@ -31,9 +53,10 @@ def fill_with_garbage(engine: Engine, seed=0) -> None:
         cache.v.copy_(torch.randn(cache.v.shape, generator=g) * 5)
 
 
-def test_padding_and_empty_slots_never_touch_real_entries():
+@pytest.mark.parametrize("compile", MODES)
+def test_padding_and_empty_slots_never_touch_real_entries(compile):
     """Invariant 1: one 3-token request in slot 0 of 4, one mixed step (4 decode rows, 2 lanes of C = 8)."""
-    engine = eager_engine()
+    engine = engine_for(compile)
     fill_with_garbage(engine)
     before = [c.k.clone() for c in caches(engine)]
     engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
@@ -49,11 +72,12 @@ def test_padding_and_empty_slots_never_touch_real_entries():
     assert engine.runner.caches[0].k.shape[2] == S + 1 + C  # every index < S + 1 + C
 
 
-def test_slot_reuse_without_clearing_hides_stale_entries():
+@pytest.mark.parametrize("compile", MODES)
+def test_slot_reuse_without_clearing_hides_stale_entries(compile):
     """Invariant 2: caches full of garbage (and earlier requests) do not change any output."""
     gpt = tiny_gpt("llama")
     prompts = mixed_prompts(6, [3, 12, 20])
-    engine = eager_engine(batch_size=2)
+    engine = engine_for(compile, batch_size=2)
     fill_with_garbage(engine, seed=1)
     first = engine.generate(prompts, SamplingParams(max_new_tokens=6))
     fill_with_garbage(engine, seed=2)
@@ -136,16 +160,18 @@ def test_lm_head_runs_on_last_real_token_only():
     assert shapes == [(4, engine.runner.gpt.config.n_embd)]
 
 
-def test_seeded_sampling_is_independent_of_slot_and_batchmates():
+@pytest.mark.parametrize("compile", MODES)
+def test_seeded_sampling_is_independent_of_slot_and_batchmates(compile):
     """Invariant 7: same seed -> same tokens alone, or in another slot among other requests."""
     params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=1234)
     prompt = [9, 8, 7, 6]
-    alone = eager_engine().generate([prompt], params)[0].token_ids
+    engine = engine_for(compile)
+    alone = engine.generate([prompt], params)[0].token_ids
     crowd = mixed_prompts(5, [2, 9, 17])
     others = [SamplingParams(max_new_tokens=5 + i, temperature=0.7, seed=i) for i in range(5)]
-    batch = eager_engine(batch_size=3).generate(crowd + [prompt], others + [params])[-1].token_ids
+    batch = engine.generate(crowd + [prompt], others + [params])[-1].token_ids
     assert alone == batch
-    other_seed = eager_engine().generate([prompt], SamplingParams(**{**_kw(params), "seed": 99}))[0]
+    other_seed = engine.generate([prompt], SamplingParams(**{**_kw(params), "seed": 99}))[0]
     assert other_seed.token_ids != alone
 
 
@@ -156,18 +182,34 @@ def _kw(params):
 
 
 @pytest.mark.regression
-def test_mixed_traffic_never_retraces_and_matches_eager(thunder_engine):
-    """Invariant 8: joins, leaves, aborts, stops and mixed sampling settings; still 2 traces, and
-    every token equal to the eager program's (sampling included)."""
-    engine = thunder_engine("llama")
-    misses = engine.stats()["cache_misses"]
-    outputs = {}
-    for eng in (engine, eager_engine()):
-        outputs[eng.config.compile] = _mixed_workload(eng)
-    assert outputs["thunder"] == outputs["eager"]
-    assert engine.stats()["cache_misses"] == 2 and misses in (0, 2)
-    traces = [t.python() for t in execution_traces(engine.runner.step_fn)]
-    assert traces and not any(".item()" in t or "tolist" in t for t in traces)
+@pytest.mark.fusion
+def test_mixed_traffic_never_retraces_and_matches_eager():
+    """Invariant 8, with the default executors: joins, leaves, aborts, stops and mixed sampling settings
+    make the two shapes the workload needs and nothing more, the same traffic again traces nothing,
+    every token equals the eager program's (sampling included), and no traced piece syncs with the host."""
+    engine = engine_for("thunder")
+    want = _mixed_workload(eager_engine())
+    assert _mixed_workload(engine) == want
+    first = engine.stats()
+    assert first["cache_misses"] == 2
+    assert _mixed_workload(engine) == want
+    again = engine.stats()
+    counters = ("cache_misses", "thunder_traces", "traced")
+    assert [again[c] for c in counters] == [first[c] for c in counters], (first, again)
+    traces = execution_traces(engine.runner.step_fn)
+    assert traces and [op for t in traces for op in host_syncs(t)] == []
+
+
+def test_the_host_sync_check_finds_a_sync():
+    """The check above on a program that does sync: a value read back with .item() inside the trace."""
+    thunder = import_thunder()
+
+    def syncing(x):
+        return x * x.sum().item()
+
+    jitted = thunder.jit(syncing)
+    jitted(torch.ones(3))
+    assert host_syncs(thunder.last_traces(jitted)[-1]) == ["item"]
 
 
 def _mixed_workload(engine: Engine):

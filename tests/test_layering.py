@@ -14,11 +14,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "thunder_batch"
 
 # Lowest first. A module's layer is that of its longest listed prefix.
 LAYERS = [
-    ("pure Python", ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]),
+    (
+        "pure Python",
+        ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat", "fallbacks"],
+    ),
     (
         "torch",
         ["_compat", "index_ops", "kv_cache", "moe", "model", "sampler", "program", "checkpoints", "gguf_convert"]
-        + ["kernels"],
+        + ["native"],
     ),
     ("thunder", ["compile"]),
     ("runner", ["runner"]),
@@ -26,7 +29,7 @@ LAYERS = [
     ("front ends", ["serve", "bench"]),
     ("commands", ["cli"]),
 ]
-PURE_NO_TORCH = ["config", "request", "stops", "scheduler", "versions"]  # DESIGN: pure Python, no torch
+PURE_NO_TORCH = ["config", "request", "stops", "scheduler", "versions", "fallbacks"]  # DESIGN: pure Python, no torch
 
 
 def _module_name(path: Path) -> str:

@@ -35,7 +35,7 @@ def test_program_files_are_the_runners_imports_and_every_compile_module():
     compile_modules = {f"compile/{p.name}" for p in (provenance.PACKAGE / "compile").glob("*.py")}
     assert compile_modules <= names
     assert {"model.py", "program.py", "sampler.py", "kv_cache.py", "moe.py", "config.py", "_compat.py"} <= names
-    assert {"runner.py", "kernels/packed_linear.cpp", "kernels/build.py"} <= names
+    assert {"runner.py", "native/packed_linear.cpp", "native/build.py"} <= names
     assert not any(n.startswith(("serve/", "bench/", "cli/")) or n == "engine.py" for n in names)
 
 
@@ -53,7 +53,7 @@ def test_a_comment_in_any_program_file_changes_the_digest_of_a_copy(tmp_path):
 
 
 def test_codegen_follows_the_cpu_flags(monkeypatch):
-    from thunder_batch.kernels import build
+    from thunder_batch.native import build
 
     provenance.codegen.cache_clear()
     here = provenance.codegen("cpu")

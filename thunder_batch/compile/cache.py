@@ -99,11 +99,11 @@ def versions() -> tuple[tuple[str, str], ...]:
 def native_kernels(executors: tuple[str, ...], device) -> str:
     """Whether the native kernels ran in programs traced with `executors` on `device`: a program traced
     while their build failed claims no linear, and must not be reused where they work (or back)."""
-    from thunder_batch.compile.kernels import EXECUTOR
+    from thunder_batch.compile.project_executor import EXECUTOR
 
     if EXECUTOR not in executors or device.type != "cpu":
         return "unused"
-    from thunder_batch.kernels.build import unavailable
+    from thunder_batch.native.build import unavailable
 
     return unavailable() or "available"
 

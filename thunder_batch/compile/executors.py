@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from thunder_batch._compat import import_thunder
 
 # User-facing executor names, in the order they should claim ops (first wins). "thunder_batch" is the
-# project's own (compile.kernels): small-row linears on CPU.
+# project's own (compile.project_executor): small-row linears on CPU.
 # "inductor" fuses the elementwise work between them with Inductor, stored in the compile cache (compile.fusion).
 KNOWN_EXECUTORS = ("thunder_batch", "sdpa", "inductor", "nvfuser", "torchcompile", "torch", "python")
 
@@ -24,12 +24,12 @@ def executor_availability() -> dict[str, str | None]:
     thunder = import_thunder()
     from thunder.extend import get_executor
 
-    from thunder_batch.compile.kernels import kernel_executor
+    from thunder_batch.compile.project_executor import project_executor
 
     status = {}
     from thunder_batch.compile.fusion import make_executor
 
-    kernel_executor()  # registers "thunder_batch" (its checker says which ops it can take here)
+    project_executor()  # registers "thunder_batch" (its checker says which ops it can take here)
     make_executor()  # registers "inductor"
     for name in KNOWN_EXECUTORS:
         if get_executor(name) is None:
@@ -43,19 +43,20 @@ def executor_availability() -> dict[str, str | None]:
 
 def default_executors() -> list:
     """`executors=None`, a fixed choice (measured: benchmarks/RESULTS.md), not measured at run time: the
-    project's kernels (CPU linears, compile.kernels), Thunder's sdpa, the "inductor" fusion of what lies
-    between them (CPU only, compile.fusion), torch, then the rest of Thunder's defaults for the device."""
+    project's executor (packed CPU linears, compile.project_executor), Thunder's sdpa, the "inductor"
+    fusion of what lies between them (CPU only, compile.fusion), torch, then the rest of Thunder's
+    defaults for the device."""
     thunder = import_thunder()
     from thunder.executors.torchex import ex as torch_executor
 
     from thunder_batch.compile.fusion import make_executor
-    from thunder_batch.compile.kernels import kernel_executor
+    from thunder_batch.compile.project_executor import project_executor
 
     sdpa = [ex for ex in thunder.get_default_executors() if ex.name == "sdpa"]
     rest = [ex for ex in thunder.get_default_executors() if ex.name not in ("sdpa", torch_executor.name)]
     # torch right after the fusion takes what it leaves (attention, cache writes, big fp32 linears)
     # whole: an op no executor of the list takes would be decomposed into ops the fusion takes.
-    return [kernel_executor(), *sdpa, make_executor(), torch_executor, *rest]
+    return [project_executor(), *sdpa, make_executor(), torch_executor, *rest]
 
 
 def resolve_executors(names: Sequence[str]) -> list:
@@ -98,3 +99,13 @@ def executor_claims(trace) -> dict[str, int]:
 def fusion_regions(trace) -> list[str]:
     """Names of the fusion regions in an execution trace, e.g. ['TorchCompile0'] or ['CUDAGraph1']."""
     return [bsym.sym.name for bsym in trace.bound_symbols if bsym.sym.is_fusion]
+
+
+def describe_options(options: dict) -> tuple[tuple[str, ...], dict]:
+    """(executor names in claim order, the other jit options as plain data) of the thunder.jit `options`
+    a piece is traced with: what the cache key records of them."""
+    thunder = import_thunder()
+    data = {k: v for k, v in options.items() if k != "executors"}
+    names = tuple(ex.name for ex in (*options["executors"], *thunder.get_always_executors()))
+    data["transforms"] = [type(t).__name__ for t in data.get("transforms", ())]
+    return names, data

@@ -37,7 +37,7 @@ def _operators() -> dict:
     """op name -> the Thunder symbol running its in-place twin, registered once with our executor."""
     from thunder.core.proxies import TensorProxy
 
-    from thunder_batch.compile.kernels import project_executor
+    from thunder_batch.compile.project_executor import project_executor
 
     executor = project_executor()
     for name, fn in IN_PLACE.values():

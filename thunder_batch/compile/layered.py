@@ -20,13 +20,13 @@ import torch
 
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile.cache import EntryStore, make_key, piece_key, warn
+from thunder_batch.compile.executors import describe_options
 from thunder_batch.compile.fused_region import artifacts_in
 from thunder_batch.compile.fusion import EXECUTOR as FUSION
-from thunder_batch.compile.kernels import EXECUTOR, KernelsMode
 from thunder_batch.compile.load_check import checked_call
 from thunder_batch.compile.pieces import SharedTraces, TracedPiece, piece_from_record, trace_piece
+from thunder_batch.compile.project_executor import EXECUTOR, PackedLinearMode
 from thunder_batch.compile.signature import paths_from_json, paths_to_json
-from thunder_batch.compile.step import describe_options
 from thunder_batch.program import StepProgram
 
 
@@ -83,7 +83,7 @@ class LayeredProgram:
         self.calls = 0
         self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
         names = [getattr(ex, "name", None) for ex in options.get("executors", ())]
-        self._eager_kernels = KernelsMode if EXECUTOR in names else contextlib.nullcontext
+        self._eager_linears = PackedLinearMode if EXECUTOR in names else contextlib.nullcontext
         # Heads are not fused: a few ops a step, and fused logits could move a near-tie's argmax.
         executors = [ex for ex in options.get("executors", ()) if ex.name != FUSION]
         self.head_options = dict(options, executors=executors) if FUSION in names else options
@@ -147,7 +147,7 @@ class LayeredProgram:
             if self.probe_inputs is None:
                 return _Probe(args, args, args)
             idx, input_pos, row_slot, key_pos, *sampling = self.probe_inputs(shape.rows, shape.length)
-            with self._eager_kernels():
+            with self._eager_linears():
                 x, *shared = self.program.prefix(idx, input_pos, row_slot, key_pos)
             shape.probe = _Probe((idx, input_pos, row_slot, key_pos), (x, *shared), (x, input_pos, *sampling))
         return shape.probe
@@ -185,7 +185,7 @@ class LayeredProgram:
         bound = piece.bind(module)
         if piece.jitted is not None:
             return bound, bound(*args)
-        problem = checked_call(bound, module, probe, self._eager_kernels)
+        problem = checked_call(bound, module, probe, self._eager_linears)
         if problem:
             warn(f"compile cache block entry ignored, retracing: failed its load-time check ({problem})")
             shared.traces.remove(piece)
@@ -206,7 +206,7 @@ class LayeredProgram:
             piece = self._load(key) if key is not None else None
             if piece is not None:
                 bound = piece.bind(module)
-                problem = checked_call(bound, module, probe(), self._eager_kernels)
+                problem = checked_call(bound, module, probe(), self._eager_linears)
                 if not problem:
                     self._count(True, kind, piece, traced=False)
                     return bound, bound(*args)

@@ -12,16 +12,16 @@ from thunder_batch.compile.fused_region import regions_as_torch_ops
 LOAD_RTOL, LOAD_ATOL = 1e-4, 1e-5
 
 
-def checked_call(bound, module, args: tuple, eager_kernels=contextlib.nullcontext) -> str | None:
+def checked_call(bound, module, args: tuple, eager_linears=contextlib.nullcontext) -> str | None:
     """What disagrees between a stored piece bound to `module` and the eager module run on the same
     inputs from the same buffer contents (random: the KV caches' entries that real rows read), or None.
-    Outputs and in-place writes must agree; the buffers are left as they were. `eager_kernels`: a context
+    Outputs and in-place writes must agree; the buffers are left as they were. `eager_linears`: a context
     the eager module runs in (the kernels the program's executors claim, so both sides compute the same
     way). The piece's fusion regions run as their torch ops (each compiled region is checked on its own)."""
     saved = [b.clone() for b in bound.writes]
     try:
         _fill_randomly(bound.writes)
-        with eager_kernels():
+        with eager_linears():
             want = module(*args)
         eager_writes = [b.clone() for b in bound.writes]
         _fill_randomly(bound.writes)

@@ -78,7 +78,7 @@ def codegen(device_type: str) -> str:
         return device_type  # CUDA: the device's name and capability are in the key's device_kind
     from torch._inductor import config, cpp_builder, cpu_vec_isa
 
-    from thunder_batch.kernels.build import cpu_flags
+    from thunder_batch.native.build import cpu_flags
 
     compiler = cpp_builder.get_cpp_compiler()
     try:

@@ -89,16 +89,6 @@ def _load_or_compile(program: StepProgram, config: EngineConfig, probe_inputs) -
     )
 
 
-def describe_options(options: dict) -> tuple[tuple[str, ...], dict]:
-    """(executor names in claim order, the other jit options as plain data) of the thunder.jit `options`
-    a piece is traced with: what the cache key records of them."""
-    thunder = import_thunder()
-    data = {k: v for k, v in options.items() if k != "executors"}
-    names = tuple(ex.name for ex in (*options["executors"], *thunder.get_always_executors()))
-    data["transforms"] = [type(t).__name__ for t in data.get("transforms", ())]
-    return names, data
-
-
 def is_compiled(fn: Callable) -> bool:
     return not isinstance(fn, nn.Module) or type(fn).__name__ == "ThunderModule"
 

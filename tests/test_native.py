@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from thunder_batch.kernels import build
+from thunder_batch.native import build
 
 
 def test_a_killed_build_leaves_no_lasting_lock(tmp_path):
@@ -21,7 +21,7 @@ def test_a_killed_build_leaves_no_lasting_lock(tmp_path):
 
 
 @pytest.mark.skipif("avx512f" not in build.cpu_flags(), reason="the kernels need AVX-512F")
-def test_a_fresh_process_builds_past_a_stale_baton(tmp_path):
+def test_a_fresh_process_builds_past_a_stale_baton_and_a_cut_short_source(tmp_path):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     ask = f"from torch.utils.cpp_extension import _get_build_directory as g; print(g({build.build_name()!r}, False))"
     where = [sys.executable, "-c", ask]
@@ -29,7 +29,9 @@ def test_a_fresh_process_builds_past_a_stale_baton(tmp_path):
     assert build_dir.startswith(str(tmp_path))
     os.makedirs(build_dir, exist_ok=True)  # torch makes it when asked where it is
     open(os.path.join(build_dir, build.TORCH_BATON), "w").close()
-    run = [sys.executable, "-c", "from thunder_batch.kernels.build import unavailable; print(unavailable())"]
+    with open(os.path.join(build_dir, build.SOURCE.name), "wb") as cut:  # a copy a killed process cut short
+        cut.write(build.SOURCE.read_bytes()[:300])
+    run = [sys.executable, "-c", "from thunder_batch.native.build import unavailable; print(unavailable())"]
     done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "None", done.stderr[-2000:]
 

@@ -1,10 +1,10 @@
-"""The project's own Thunder executor ("thunder_batch"): kernels it claims from traced programs.
+"""The project's own Thunder executor, named "thunder_batch": the ops it claims from traced programs.
 
 It claims `linear` on CPU and runs it from a copy of the weight packed once, in the layout the kernel
 reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step's linears"):
 - bfloat16, any rows: oneDNN's linear on its own blocked layout (`_reorder_linear_weight`), the
   same result as torch's bit for bit, 1.3-1.5x faster at the rows of a decode step;
-- float32, at most PACKED_ROWS rows: the project's kernel (thunder_batch.kernels), 2.5-4x torch's;
+- float32, at most PACKED_ROWS rows: the project's kernel (thunder_batch.native), 2.5-4x torch's;
   larger float32 linears stay with torch.
 The packed copies live beside the weights (one more copy of each claimed weight) and are redone
 when a weight is changed in place. The eager engine never uses them: they are what compiling adds.
@@ -28,7 +28,8 @@ PACKED_ROWS = 16  # float32: above this torch's GEMM is as fast (benchmarks/RESU
 
 
 def project_executor():
-    """The "thunder_batch" OperatorExecutor, registered with Thunder on first use."""
+    """The "thunder_batch" OperatorExecutor, registered with Thunder on first use, with `packed_linear`
+    as `linear`'s implementation (the in-place KV cache write ops are added by `inplace`)."""
     import_thunder()
     from thunder.extend import OperatorExecutor, get_executor, register_executor
 
@@ -36,6 +37,11 @@ def project_executor():
     if executor is None:
         executor = OperatorExecutor(EXECUTOR, version="1")
         register_executor(executor)
+    if LINEAR not in executor.opmap:
+        import thunder.torch as ltorch
+
+        op = executor.register_operator(LINEAR, meta=_linear_meta, fn=packed_linear)
+        executor.register_implementation(ltorch.linear, op, checker=_claims)
     return executor
 
 
@@ -57,7 +63,7 @@ class PackedWeights:
     def _pack(w: torch.Tensor) -> torch.Tensor:
         if w.dtype == torch.bfloat16:
             return torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        from thunder_batch.kernels.build import pack_linear_weight
+        from thunder_batch.native.build import pack_linear_weight
 
         return pack_linear_weight(w)
 
@@ -70,7 +76,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     packed = PACKED.get(w)
     if w.dtype == torch.bfloat16:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    from thunder_batch.kernels.build import packed_linear as kernel
+    from thunder_batch.native.build import packed_linear as kernel
 
     return kernel(x, packed, bias, w.shape[0])
 
@@ -82,7 +88,7 @@ def claims_linear(device_type: str, dtypes: list, weight_ndim: int, rows: int) -
         return False
     if dtypes[0] == torch.bfloat16:
         return torch.backends.mkldnn.is_available()
-    from thunder_batch.kernels.build import unavailable
+    from thunder_batch.native.build import unavailable
 
     return dtypes[0] == torch.float32 and rows <= PACKED_ROWS and unavailable() is None
 
@@ -105,9 +111,9 @@ def _claims_tensors(x, w, bias=None) -> bool:
     return claims_linear(x.device.type, [t.dtype for t in tensors], w.ndim, math.prod(x.shape[:-1]))
 
 
-class KernelsMode(TorchFunctionMode):
-    """Eager code with the kernels this executor claims in traces: the load-time check of a stored
-    piece compares against it, so both sides run the same kernels."""
+class PackedLinearMode(TorchFunctionMode):
+    """Eager code with the linears this executor claims in traces run as it runs them: the load-time
+    check of a stored piece compares against it, so both sides run the same kernels."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -120,14 +126,3 @@ def _linear_meta(x, w, bias=None):
     from thunder.core.proxies import TensorProxy
 
     return TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0]))
-
-
-def kernel_executor():
-    """The executor with `packed_linear` registered as `linear`'s implementation."""
-    executor = project_executor()
-    if LINEAR not in executor.opmap:
-        import thunder.torch as ltorch
-
-        op = executor.register_operator(LINEAR, meta=_linear_meta, fn=packed_linear)
-        executor.register_implementation(ltorch.linear, op, checker=_claims)
-    return executor

@@ -41,7 +41,7 @@ def cpu_flags() -> set[str]:
 def build_name() -> str:
     """Named by content: processes running the same source (from any checkout) share one build."""
     digest = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode()).hexdigest()[:16]
-    return f"thunder_batch_kernels_{digest}"
+    return f"thunder_batch_native_{digest}"
 
 
 @contextlib.contextmanager
