@@ -37,8 +37,9 @@ def host_syncs(trace) -> list[str]:
     while stack:
         bsym = stack.pop()
         if bsym.sym.name in ("item", "tolist", "_local_scalar_dense"):
-            found.append(bsym.sym.name)
-        stack.extend(bsym.subsymbols)
+            found.append(bsym.sym.name)  # one sync, whatever it decomposes into
+        else:
+            stack.extend(bsym.subsymbols)
     return found
 
 
