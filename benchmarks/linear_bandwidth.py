@@ -3,7 +3,8 @@
 Every linear of SmolLM2-135M (30 layers x qkv, proj, fc_1, fc_2, mlp.proj, plus lm_head), distinct
 weights so nothing stays in cache, at M rows: weight bytes / time per pass over all of them, against a
 plain read of the same bytes. Kernels: aten F.linear, oneDNN prepacked (`_linear_pointwise`), MKL
-packed (fp32), and the project's own fp32 kernel (`thunder_batch.native`) when built.
+packed (fp32), and the project's own kernels (`thunder_batch.native`: fp32; bf16 where the CPU has
+AVX512-BF16) when built.
 
     python benchmarks/linear_bandwidth.py --rows 1,8 --dtypes bfloat16,float32
 """
@@ -49,6 +50,18 @@ def kernels(ws, x_for, rows: int, dtype):
             out["mkl-packed"] = lambda: [torch.ops.mkl._mkl_linear(x_for(w), p, w, None, rows) for w, p in zip(ws, mkl)]
         except Exception as e:
             print(f"  mkl-packed unavailable: {e}")
+    if dtype == torch.bfloat16:
+        try:
+            from thunder_batch.native.build import bf16_available, pack_linear_weight_bf16, packed_linear_bf16
+
+            if not bf16_available():
+                raise RuntimeError("no AVX512-BF16 here, or the kernels are not built")
+            ours = [pack_linear_weight_bf16(w) for w in ws]
+            out["packed_linear_bf16"] = lambda: [
+                packed_linear_bf16(x_for(w), p, None, w.shape[0]) for w, p in zip(ws, ours)
+            ]
+        except Exception as e:
+            print(f"  packed_linear_bf16 unavailable: {type(e).__name__}: {e}")
     if dtype == torch.float32:
         try:
             from thunder_batch.native.build import pack_linear_weight, packed_linear, unavailable

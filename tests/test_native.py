@@ -47,3 +47,22 @@ def test_packed_linear_matches_torch(rows, out_features, bias):
     got = build.packed_linear(x, build.pack_linear_weight(w), b, out_features)
     assert got.shape == (2, rows, out_features)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    not {"avx512_bf16", "avx512bw", "avx512vl"} <= build.cpu_flags(), reason="the bf16 kernel needs AVX512-BF16"
+)
+@pytest.mark.parametrize("rows,out_features,bias", [(1, 48, True), (5, 37, False), (16, 16, True), (3, 1000, False)])
+def test_bf16_packed_linear_is_torchs_result_up_to_the_last_bit(rows, out_features, bias):
+    """float32 accumulation of exact bf16 products, rounded once: within one bf16 rounding of the exact
+    product, and torch's own bf16 result for nearly every output (they differ in summation order only)."""
+    assert build.bf16_available()
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(out_features, 64, generator=g) * 0.1).bfloat16()
+    x = torch.randn(2, rows, 64, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    got = build.packed_linear_bf16(x, build.pack_linear_weight_bf16(w), b, out_features)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert got.shape == (2, rows, out_features) and got.dtype == torch.bfloat16
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()  # one rounding to bf16
+    assert (got == torch.nn.functional.linear(x, w, b)).float().mean() > 0.95

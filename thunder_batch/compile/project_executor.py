@@ -2,10 +2,13 @@
 
 It claims `linear` on CPU and runs it from a copy of the weight packed once, in the layout the kernel
 reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step's linears"):
-- bfloat16, any rows: oneDNN's linear on its own blocked layout (`_reorder_linear_weight`), the
-  same result as torch's bit for bit, 1.3-1.5x faster at the rows of a decode step;
 - float32, at most PACKED_ROWS rows: the project's kernel (thunder_batch.native), 2.5-4x torch's;
   larger float32 linears stay with torch.
+- bfloat16 on a CPU with AVX512-BF16, at most PACKED_ROWS rows: the project's `vdpbf16ps` kernel
+  (float32 accumulation, one rounding: equal to torch's result but for the last bit of a few outputs);
+  larger ones stay with torch.
+- bfloat16 elsewhere, any rows: oneDNN's linear on its own blocked layout (`_reorder_linear_weight`),
+  the same result as torch's bit for bit, 1.3-1.5x faster at the rows of a decode step.
 The packed copies live beside the weights (one more copy of each claimed weight) and are redone
 when a weight is changed in place. The eager engine never uses them: they are what compiling adds.
 The same executor also holds the in-place KV cache write ops (`inplace`).
@@ -61,32 +64,44 @@ class PackedWeights:
 
     @staticmethod
     def _pack(w: torch.Tensor) -> torch.Tensor:
-        if w.dtype == torch.bfloat16:
-            return torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        from thunder_batch.native.build import pack_linear_weight
+        from thunder_batch.native import build
 
-        return pack_linear_weight(w)
+        if w.dtype == torch.bfloat16 and not native_bf16(w.shape[1]):
+            return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        return build.pack_linear_weight_bf16(w) if w.dtype == torch.bfloat16 else build.pack_linear_weight(w)
 
 
 PACKED = PackedWeights()  # packed copies of weights, shared by every program of the process
 
 
+def native_bf16(in_features: int) -> bool:
+    """Whether the native bfloat16 kernel runs a linear of this input width here (AVX512-BF16, even width)."""
+    from thunder_batch.native.build import bf16_available
+
+    return in_features % 2 == 0 and bf16_available()
+
+
 def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` from the packed copy of `w` (see the module docstring)."""
+    from thunder_batch.native import build
+
     packed = PACKED.get(w)
-    if w.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    from thunder_batch.native.build import packed_linear as kernel
+    if w.dtype == torch.float32:
+        return build.packed_linear(x, packed, bias, w.shape[0])
+    if native_bf16(w.shape[1]):
+        return build.packed_linear_bf16(x, packed, bias, w.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-    return kernel(x, packed, bias, w.shape[0])
 
-
-def claims_linear(device_type: str, dtypes: list, weight_ndim: int, rows: int) -> bool:
-    """Which linears the executor takes: CPU, one dtype throughout, bf16 (oneDNN here) or small fp32
-    (the native kernels built here)."""
-    if device_type != "cpu" or len(set(dtypes)) != 1 or weight_ndim != 2:
+def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bool:
+    """Which linears the executor takes: CPU, one dtype throughout, a 2-D weight, and either at most
+    PACKED_ROWS rows for a native kernel (fp32; bf16 where the CPU has AVX512-BF16), or bf16 at any rows
+    on oneDNN's packed layout where the native bf16 kernel does not run."""
+    if device_type != "cpu" or len(set(dtypes)) != 1 or len(weight_shape) != 2:
         return False
     if dtypes[0] == torch.bfloat16:
+        if native_bf16(weight_shape[1]):
+            return rows <= PACKED_ROWS
         return torch.backends.mkldnn.is_available()
     from thunder_batch.native.build import unavailable
 
@@ -101,14 +116,14 @@ def _claims(x, w, bias=None) -> bool:
     if any(t.device.type != x.device.type for t in tensors):
         return False
     dtypes = [to_torch_dtype(t.dtype) for t in tensors]
-    return claims_linear(x.device.type, dtypes, w.ndim, math.prod(x.shape[:-1]))
+    return claims_linear(x.device.type, dtypes, tuple(w.shape), math.prod(x.shape[:-1]))
 
 
 def _claims_tensors(x, w, bias=None) -> bool:
     tensors = [t for t in (x, w, bias) if t is not None]
     if any(t.device != x.device for t in tensors):
         return False
-    return claims_linear(x.device.type, [t.dtype for t in tensors], w.ndim, math.prod(x.shape[:-1]))
+    return claims_linear(x.device.type, [t.dtype for t in tensors], tuple(w.shape), math.prod(x.shape[:-1]))
 
 
 class PackedLinearMode(TorchFunctionMode):

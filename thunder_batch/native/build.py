@@ -100,6 +100,11 @@ def _build_and_load() -> str | None:
     return None
 
 
+def bf16_available() -> bool:
+    """Whether the bfloat16 kernel runs here: the kernels are built and the CPU has AVX512-BF16."""
+    return {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags() and unavailable() is None
+
+
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
     """float32 [out, in] -> [ceil(out / 16), in, 16], the layout `packed_linear` reads."""
     return torch.ops.thunder_batch.pack_linear_weight(w)
@@ -108,3 +113,13 @@ def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
     """float32 x [..., in] @ w.T (+ bias) from `pack_linear_weight(w)` -> [..., out_features]."""
     return torch.ops.thunder_batch.packed_linear(x, packed, bias, out_features)
+
+
+def pack_linear_weight_bf16(w: torch.Tensor) -> torch.Tensor:
+    """bfloat16 [out, in] (in even) -> [ceil(out / 16), in / 2, 16, 2], the layout `packed_linear_bf16` reads."""
+    return torch.ops.thunder_batch.pack_linear_weight_bf16(w)
+
+
+def packed_linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+    """bfloat16 x [..., in] @ w.T (+ bias) from `pack_linear_weight_bf16(w)` -> [..., out_features]; AVX512-BF16."""
+    return torch.ops.thunder_batch.packed_linear_bf16(x, packed, bias, out_features)
