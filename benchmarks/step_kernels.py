@@ -3,7 +3,7 @@ the linear layers. The default model (or random weights of its architecture), B 
 
 Kernels per step are profiler events: top-level aten calls (an aten op called by another one is part
 of it), the project's own kernels, and Inductor's generated kernels (its kernel profiling switched
-on). Linear time: the self time of the linear kernels (aten addmm/mm, oneDNN, the project's packed_linear);
+on). Linear time: the self time of the linear kernels (aten addmm/mm, oneDNN, the project's packed linears);
 weight bytes / linear time is the bandwidth the matmuls reach.
 
     python benchmarks/step_kernels.py --batch-sizes 1,8 --precisions bfloat16,float32 \
@@ -30,7 +30,13 @@ SYSTEMS = {  # name -> (compile, executors)
     "thunder-kernels-torchcompile": ("thunder", ("thunder_batch", "torchcompile", "torch")),
     "thunder-inductor": ("thunder", ("thunder_batch", "sdpa", "inductor", "torch")),
 }
-LINEAR_OPS = ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise", "thunder_batch::packed_linear")
+LINEAR_OPS = (
+    "aten::addmm",
+    "aten::mm",
+    "mkldnn::_linear_pointwise",
+    "thunder_batch::packed_linear",
+    "thunder_batch::packed_linear_bf16",
+)
 
 
 def load_model(dtype, random_weights: bool):
