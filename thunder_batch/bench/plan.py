@@ -25,6 +25,7 @@ ALL_SYSTEMS = (
     "thunder-nvfuser",
     "hf-transformers",
     "hf-transformers-compile",
+    "llama.cpp",
 )
 PRECISIONS = ("float32", "bfloat16", "float16")
 SEQUENTIAL = "litgpt-sequential"

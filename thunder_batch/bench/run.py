@@ -24,13 +24,18 @@ from thunder_batch.bench.plan import (
 __all__ = ["ALL_SYSTEMS", "parse_batch_sizes", "parse_precisions", "parse_systems", "run_benchmark"]
 
 
-def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
-    """system -> why it cannot run here (missing executor or package, or offline-only peer in an online run)."""
+def unavailable_systems(systems: list[str], online: bool, opts: dict) -> dict[str, str]:
+    """system -> why it cannot run here (missing executor, package or build, or offline-only peer in an online run)."""
+    from thunder_batch.bench import llama_cpp
     from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
     from thunder_batch.bench.hf_transformers import HF_SYSTEMS
     from thunder_batch.bench.hf_transformers import unavailable as hf_unavailable
 
     skipped = {}
+    if llama_cpp.SYSTEM in systems:
+        why = llama_cpp.unavailable(opts.get("llama_cpp_bin"), opts.get("llama_cpp_gguf"))
+        if why:
+            skipped[llama_cpp.SYSTEM] = why
     if online and "litgpt-batched" in systems:
         skipped["litgpt-batched"] = "batched_generate_fn has no arrivals: offline workloads only"
     for s in [s for s in systems if s in HF_SYSTEMS]:
@@ -51,8 +56,10 @@ def unavailable_systems(systems: list[str], online: bool) -> dict[str, str]:
 
 def run_system(name: str, gpt, workload, batch_size: int | None, ctx):
     """One system on the workload (module-level so tests can wrap it)."""
-    from thunder_batch.bench import baselines, engine_runs, hf_transformers
+    from thunder_batch.bench import baselines, engine_runs, hf_transformers, llama_cpp
 
+    if name == llama_cpp.SYSTEM:
+        return llama_cpp.run_llama_cpp(workload, batch_size, ctx, precision_of(gpt))
     if name == "litgpt-sequential":
         return baselines.run_litgpt_sequential(gpt, workload, ctx)
     if name == "litgpt-batched":
@@ -100,12 +107,13 @@ def run_benchmark(gpt, tokenizer=None, prompt_style=None, model_label: str = "mo
     models = converted_models(gpt, precisions)
     workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, opts)
     ctx = BenchContext.from_options(gpt, tokenizer, opts, max_seq_length)
-    skipped = unavailable_systems([s.name for s in specs], online=not math.isinf(opts["request_rate"]))
+    skipped = unavailable_systems([s.name for s in specs], not math.isinf(opts["request_rate"]), opts)
+    plan = [p for p in plan if p[0] not in skipped and not skip_precision(p, opts, skipped)]
     peaks = measure_peaks(ctx.device, precisions, opts["matmul_n"], opts["copy_mb"])
     model_label = f"{model_label} {','.join(precisions)}"
     started = time.time()
     runs = []
-    for name, precision, B in [p for p in plan if p[0] not in skipped]:
+    for name, precision, B in plan:
         runs.append(run_system(name, models[precision], workload, B, ctx))
         runs[-1].precision = precision
         if opts["output_json"]:  # partial results survive an interrupted run
@@ -113,6 +121,17 @@ def run_benchmark(gpt, tokenizer=None, prompt_style=None, model_label: str = "mo
     result = write_result(runs, models, workload, ctx, opts, peaks, skipped, model_label, started)
     emit(result, opts)
     return result
+
+
+def skip_precision(run: tuple, opts: dict, skipped: dict) -> bool:
+    """A llama.cpp run at a precision no given GGUF holds: noted in `skipped`, not run."""
+    from thunder_batch.bench import llama_cpp
+
+    name, precision, _ = run
+    if name != llama_cpp.SYSTEM or precision in llama_cpp.ggufs_by_precision(opts["llama_cpp_gguf"]):
+        return False
+    skipped[f"{name}@{precision}"] = f"no GGUF of {precision} among --llama_cpp_gguf"
+    return True
 
 
 def precision_of(gpt) -> str:
@@ -160,6 +179,8 @@ DEFAULTS = dict(
     cache_dir=None,
     warm_compile=True,
     profile=False,
+    llama_cpp_bin=None,
+    llama_cpp_gguf=None,
     output_json=None,
     plot=None,
     progress=True,

@@ -1,7 +1,7 @@
 """What every benchmarked system shares: a BenchContext in, a SystemRun out, run on a fresh_model copy.
 
-A system is litgpt's own loop (`baselines`), Hugging Face transformers (`hf_transformers`) or the engine in one
-compile mode (`engine_runs`).
+A system is litgpt's own loop (`baselines`), Hugging Face transformers (`hf_transformers`), llama.cpp's server
+(`llama_cpp`) or the engine in one compile mode (`engine_runs`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ class BenchContext:
     cache_dir: str | None = None  # None: a fresh temporary compile cache (cold compile = real trace)
     warm_compile: bool = True
     profile: bool = False
+    llama_cpp_bin: str | None = None  # a llama.cpp build's bin/ (bench.llama_cpp), else $LLAMA_CPP_BIN
+    llama_cpp_gguf: str | None = None  # comma-separated GGUF files of the checkpoint, one per precision
 
     @classmethod
     def from_options(cls, gpt, tokenizer, opts: dict, max_seq_length: int) -> BenchContext:
@@ -53,6 +55,8 @@ class BenchContext:
             cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
             warm_compile=opts["warm_compile"],
             profile=opts["profile"],
+            llama_cpp_bin=None if opts.get("llama_cpp_bin") is None else str(opts["llama_cpp_bin"]),
+            llama_cpp_gguf=opts.get("llama_cpp_gguf"),
         )
 
     @property
