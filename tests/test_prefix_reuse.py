@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.request import Request
@@ -243,3 +245,63 @@ def test_thunder_in_place_writes_and_recorded_graphs_see_the_copied_entries(tmp_
     graphs, _ = with_recorded_graphs(graphed)
     assert workloads(graphed) == want and graphs.replays > 20
     assert graphed.stats()["prompt_tokens_reused"] == stats["prompt_tokens_reused"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.integers(1, 5),
+    st.integers(1, 6),
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(1, 14), st.integers(1, 4)), max_size=10),
+)
+def test_random_traffic_every_fed_token_sees_its_own_tokens_before_it(num_slots, chunk, copy_min, arrivals):
+    """A model of the caches (token id per slot and position) under random prompts drawn from a few
+    shared stems, finished and aborted requests, copies and reuse: every token is fed at a position
+    whose entries before it hold exactly its request's tokens, and every request gets all its tokens."""
+    s = Scheduler(num_slots, chunk, (1,) if chunk > 1 else (), prefix_reuse=True, copy_min=copy_min)
+    stems = [[7] * 20, list(range(20)), [7] * 5 + list(range(15))]
+    cache = [dict() for _ in range(num_slots)]  # slot -> {position: token id}
+    pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])
+    live = {}
+    for step in range(300):
+        while pending and pending[0][1][0] <= step:
+            rid, (_, stem, length, new) = pending.pop(0)
+            prompt = (stems[stem % 3] + [50 + rid] * 20)[:length] if stem < 3 else [60 + rid] * length
+            live[rid] = Request(rid, prompt, SamplingParams(max_new_tokens=new), 0)
+            s.add(live[rid])
+        victims = [r for r in live.values() if r.slot is not None and r.request_id % 3 == 0]
+        if step % 5 == 4 and victims:
+            s.remove(victims[0], keep=False)
+            victims[0].finish_reason = "abort"
+        plan = s.schedule()
+        if plan is None:
+            if not pending:
+                break
+            continue
+        for c in plan.copies:
+            cache[c.dst].update({p: cache[c.src][p] for p in range(c.start, c.end)})
+        for w in plan.work:
+            known = w.request.prompt_ids + w.request.output_ids
+            assert [cache[w.slot].get(p) for p in range(w.start_pos)] == known[: w.start_pos]
+            cache[w.slot].update(zip(range(w.start_pos, w.start_pos + len(w.token_ids)), w.token_ids))
+            w.request.num_cached += len(w.token_ids)
+            if w.samples and w.request.append(200 + len(w.request.output_ids), 0.0).finished:
+                s.remove(w.request)
+    assert not s.has_unfinished() and not pending
+    for r in live.values():
+        assert r.finish_reason == "abort" or len(r.output_ids) == r.params.max_new_tokens
+
+
+def test_metrics_count_prefix_cache_queries_and_hits_in_tokens():
+    """The server's worker exports the engine's lookups and hits as vLLM's counters (tokens)."""
+    pytest.importorskip("litserve")
+    from test_server_worker import add, greedy, payload, run_all, tiny_api
+
+    api = tiny_api()
+    for uid, prompt in [("a", [1, 2, 3, 4, 5, 6]), ("b", [1, 2, 3, 4, 5, 6, 7, 8])]:  # one after the other
+        add(api, [(uid, payload(prompt, params=greedy(3)))])
+        run_all(api)
+    text = api.metrics.render().decode()
+    # a keeps [1..6] and the 2 outputs it fed; b shares its first 6 tokens with them
+    assert 'thunder_batch:prefix_cache_queries_total{model_name="tiny"} 14.0' in text
+    assert 'thunder_batch:prefix_cache_hits_total{model_name="tiny"} 6.0' in text
