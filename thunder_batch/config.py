@@ -108,9 +108,10 @@ class EngineConfig:
     # stored in the compile cache); "step": the whole step as one trace (minutes; in memory only)
     trace: str = "layers"
     # Keep each slot's cache after its request ends and feed a new prompt only past the prefix a slot
-    # already holds (in place, or copied from another slot when that saves `prefix_copy_min` tokens).
+    # already holds (in place, or copied from another slot when that saves `prefix_copy_min` tokens:
+    # a copy of any length costs well under a token's compute, benchmarks/prefix_copy.py).
     prefix_reuse: bool = True
-    prefix_copy_min: int = 32
+    prefix_copy_min: int = 1
 
     def __post_init__(self) -> None:
         _require_int("batch_size", self.batch_size, 1)

@@ -58,9 +58,9 @@ class Scheduler:
     a new prompt sharing k of them needs only the rest fed (at least its last token, whose logits give
     the first sample). Admission takes the free slot sharing the longest prefix (ties: the least
     recently used), and copies a longer prefix from another slot, busy or free, when it saves at least
-    `copy_min` tokens. A request waits while a slot still reading its prompt will soon hold
-    `copy_min` more of its prefix than any slot holds now (a burst sharing one system prompt reads it
-    once). Requests asking for prompt logprobs feed every prompt token.
+    `copy_min` tokens. A request waits while a slot still reading its prompt will soon hold a chunk
+    or more of its prefix, `copy_min` more than any slot holds now (a burst sharing one system prompt
+    reads it once). Requests asking for prompt logprobs feed every prompt token.
 
     A decoding slot (one pending token) feeds it through its decode row, every step: decode never
     pauses. Slots with prompt left take prefill lanes in admission order, up to `chunk` tokens each
@@ -218,8 +218,9 @@ class Scheduler:
         return best
 
     def _wait_for_prefix(self, request: Request) -> bool:
-        """Whether a slot still reading its prompt will hold `copy_min` more of this prompt's prefix
-        than any slot holds now: wait for it rather than compute the prefix twice."""
+        """Whether a slot still reading its prompt will hold at least a chunk of this prompt's prefix,
+        and `copy_min` more of it than any slot holds now: wait for it rather than compute the prefix
+        twice (a shorter one, such as a chat template's header, is not worth a step's wait)."""
         limit = reusable(request)
         soon = max(
             (
@@ -229,7 +230,7 @@ class Scheduler:
             ),
             default=0,
         )
-        return soon - self._best_source(request)[1] >= self.copy_min
+        return soon >= self.chunk and soon - self._best_source(request)[1] >= self.copy_min
 
     def _lane_work(self, lane: int, slot: int, request: Request) -> SlotWork:
         pending = request.pending_ids()

@@ -35,6 +35,7 @@ class BenchContext:
     cache_dir: str | None = None  # None: a fresh temporary compile cache (cold compile = real trace)
     warm_compile: bool = True
     profile: bool = False
+    prefix_reuse: bool = True  # engines keep their slots' caches for prompts sharing a prefix
 
     @classmethod
     def from_options(cls, gpt, tokenizer, opts: dict, max_seq_length: int) -> BenchContext:
@@ -53,6 +54,7 @@ class BenchContext:
             cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
             warm_compile=opts["warm_compile"],
             profile=opts["profile"],
+            prefix_reuse=opts.get("prefix_reuse", True),
         )
 
     @property

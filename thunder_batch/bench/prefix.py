@@ -1,0 +1,295 @@
+"""Prompt prefixes read once: the `multi-turn` and `shared-prefix` workloads, each run with prefix reuse
+off and on in one process, on the same weights, prompts and step program (the second engine of a Thunder
+system loads the first one's compile cache), plus a control workload without shared prefixes.
+
+- multi-turn: conversations of `turns` turns, all at once; each turn sends the whole conversation so
+  far (every earlier prompt and reply) and `turn_len` new user token ids, as a chat client does.
+- shared-prefix: `num_requests` requests submitted at once, each a `system_len`-token system prompt
+  (the same for all) and its own question.
+- control: prompts of the shared-prefix sizes without a shared token: reuse must change nothing.
+
+Greedy decoding, every output token checked equal between off and on; prompt tokens computed and reused
+are the engine's own counters; time to first token is measured from the request's submission.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from thunder_batch.config import EngineConfig, SamplingParams
+
+PREFIX_DATASETS = ("multi-turn", "shared-prefix")
+
+
+@dataclass(frozen=True)
+class PrefixBench:
+    """What one run measures (token lists are built once and shared by every system)."""
+
+    dataset: str
+    batch_size: int
+    max_new_tokens: int
+    turns: list[list[list[int]]]  # multi-turn: per conversation, each turn's new user tokens
+    prompts: list[list[int]]  # shared-prefix: each request's whole prompt
+    control: list[list[int]]  # the same sizes, nothing shared
+    unique_tokens: int  # prompt tokens a perfect cache computes once (shared-prefix)
+
+
+def token_pool(rng, encode, vocab_size: int, n: int) -> list[int]:
+    """n token ids of real text (the shipped prompts, encoded and joined), or random ids without a tokenizer."""
+    from thunder_batch.bench.workloads import load_prompts
+
+    if encode is None:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+    texts, pool = load_prompts(), []
+    rng.shuffle(texts)
+    while len(pool) < n:
+        pool += [int(t) for t in encode(texts[len(pool) % len(texts)])]
+    return pool[:n]
+
+
+def build_prefix_bench(
+    dataset: str,
+    num_requests: int,
+    max_new_tokens: int,
+    batch_size: int,
+    *,
+    turns: int = 8,
+    turn_len: int = 40,
+    system_len: int = 500,
+    question_len: int = 40,
+    seed: int = 0,
+    encode=None,
+    vocab_size: int = 0,
+) -> PrefixBench:
+    import random
+
+    if dataset not in PREFIX_DATASETS:
+        raise ValueError(f"dataset must be one of {PREFIX_DATASETS}, got {dataset!r}")
+    rng = random.Random(seed)
+    if dataset == "multi-turn":
+        pool = token_pool(rng, encode, vocab_size, num_requests * turns * turn_len)
+        chunks = [pool[i : i + turn_len] for i in range(0, len(pool), turn_len)]
+        conversations = [chunks[c * turns : (c + 1) * turns] for c in range(num_requests)]
+        return PrefixBench(dataset, batch_size, max_new_tokens, conversations, [], [], 0)
+    pool = token_pool(rng, encode, vocab_size, system_len + 2 * num_requests * question_len)
+    system, rest = pool[:system_len], pool[system_len:]
+    questions = [rest[i * question_len : (i + 1) * question_len] for i in range(num_requests)]
+    prompts = [system + q for q in questions]
+    control_pool = token_pool(random.Random(seed + 1), None, vocab_size or 1000, num_requests * len(prompts[0]))
+    control = [control_pool[i * len(prompts[0]) : (i + 1) * len(prompts[0])] for i in range(num_requests)]
+    control = [[i] + p[1:] for i, p in enumerate(control)]  # first tokens differ: nothing shared
+    return PrefixBench(
+        dataset, batch_size, max_new_tokens, [], prompts, control, system_len + num_requests * question_len
+    )
+
+
+def drive_conversations(engine, conversations: list[list[list[int]]], max_new_tokens: int) -> list[list[dict]]:
+    """Every conversation's turns, each sent when its previous reply is done: per conversation, per turn,
+    its prompt length, reply tokens and time to first token (from its submission)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    records = [[] for _ in conversations]
+    transcripts = [[] for _ in conversations]
+    live = {}  # request id -> (conversation, record)
+
+    def send(c: int) -> None:
+        prompt = transcripts[c] + conversations[c][len(records[c])]
+        record = dict(prompt_tokens=len(prompt), tokens=[], sent=time.perf_counter(), ttft_s=None)
+        records[c].append(record)
+        transcripts[c] = prompt
+        live[engine.add_request(prompt, params)] = (c, record)
+
+    for c in range(len(conversations)):
+        send(c)
+    while live:
+        for out in engine.step():
+            c, record = live[out.request_id]
+            if record["ttft_s"] is None and out.token_ids:
+                record["ttft_s"] = time.perf_counter() - record["sent"]
+            record["tokens"] += out.token_ids
+            if out.finished:
+                del live[out.request_id]
+                transcripts[c] = transcripts[c] + record["tokens"]
+                if len(records[c]) < len(conversations[c]):
+                    send(c)
+    return records
+
+
+def drive_burst(engine, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+    """All prompts submitted at once: per request its reply tokens and time to first token."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    records = {i: dict(tokens=[], ttft_s=None) for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            record = records[out.request_id]
+            if record["ttft_s"] is None and out.token_ids:
+                record["ttft_s"] = time.perf_counter() - start
+            record["tokens"] += out.token_ids
+    return [records[i] for i in ids]
+
+
+def run_once(engine, bench: PrefixBench, workload: str) -> dict:
+    start, before = time.perf_counter(), engine.stats()
+    if workload == "multi-turn":
+        records = drive_conversations(engine, bench.turns, bench.max_new_tokens)
+    else:
+        records = drive_burst(
+            engine, bench.prompts if workload == "shared-prefix" else bench.control, bench.max_new_tokens
+        )
+    wall, stats = time.perf_counter() - start, engine.stats()
+    counted = ("steps", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_reused", "generated_tokens")
+    return dict(
+        wall_s=wall, records=records, **{k: stats[k] - before[k] for k in counted}, cache_misses=stats["cache_misses"]
+    )
+
+
+def compare(workload: str, bench: PrefixBench, off: dict, on: dict) -> dict:
+    """The issue's ratios, from two runs of one workload."""
+    tokens = lambda run: [r["tokens"] for r in _flat(run["records"])]  # noqa: E731
+    out = dict(
+        tokens_equal=tokens(off) == tokens(on),
+        steps=(off["steps"], on["steps"]),
+        wall_s=(off["wall_s"], on["wall_s"]),
+        wall_on_over_off=on["wall_s"] / off["wall_s"],
+        prompt_tokens_computed=(off["prompt_tokens_computed"], on["prompt_tokens_computed"]),
+        prompt_tokens_reused=on["prompt_tokens_reused"],
+        computed_on_over_off=on["prompt_tokens_computed"] / max(off["prompt_tokens_computed"], 1),
+        cache_misses=(off["cache_misses"], on["cache_misses"]),
+    )
+    if workload == "multi-turn":
+        last = [statistics.mean(conv[t]["ttft_s"] for conv in run["records"]) for run in (off, on) for t in [-1]]
+        out.update(
+            ttft_by_turn_s=[
+                [statistics.mean(conv[t]["ttft_s"] for conv in run["records"]) for t in range(len(bench.turns[0]))]
+                for run in (off, on)
+            ],
+            last_turn_ttft_s=tuple(last),
+            last_turn_ttft_off_over_on=last[0] / last[1],
+        )
+    else:
+        p50 = [statistics.median(r["ttft_s"] for r in run["records"]) for run in (off, on)]
+        out.update(ttft_p50_s=tuple(p50), ttft_p50_off_over_on=p50[0] / p50[1])
+        if workload == "shared-prefix":
+            out.update(
+                unique_tokens=bench.unique_tokens,
+                computed_over_unique=on["prompt_tokens_computed"] / bench.unique_tokens,
+            )
+    return out
+
+
+def _flat(records) -> list[dict]:
+    return [r for conv in records for r in conv] if records and isinstance(records[0], list) else list(records)
+
+
+def engine_pair(gpt, config: EngineConfig, tokenizer) -> dict:
+    """Two engines on the same weights and compile cache, reuse off and on, each warmed up first."""
+    import dataclasses
+
+    from thunder_batch.engine import Engine
+
+    engines = {}
+    for reuse in (False, True):
+        engines[reuse] = Engine(gpt, dataclasses.replace(config, prefix_reuse=reuse), tokenizer=tokenizer)
+        seconds = engines[reuse].warmup()
+        print(f"[prefix bench] warm-up ({'on' if reuse else 'off'}): {sum(seconds.values()):.1f}s", file=sys.stderr)
+    return engines
+
+
+def run_prefix_bench(gpt, tokenizer, bench: PrefixBench, systems: dict, base: EngineConfig, repeats: int = 1) -> dict:
+    """Each system (name -> EngineConfig overrides), reuse off and on, on the dataset's workload and
+    (shared-prefix) the control, `repeats` times each, off and on alternating (each run from a cache
+    holding no prefix: `reset_prefix_cache`); the fastest run of each is compared. Returns the
+    comparisons by system and workload."""
+    import dataclasses
+
+    workloads = [bench.dataset] + (["control"] if bench.dataset == "shared-prefix" else [])
+    results = {}
+    for name, overrides in systems.items():
+        engines = engine_pair(gpt, dataclasses.replace(base, **overrides), tokenizer)
+        runs = {w: {False: [], True: []} for w in workloads}
+        for workload in workloads:
+            for _ in range(repeats):
+                for reuse, engine in engines.items():
+                    engine.reset_prefix_cache()
+                    runs[workload][reuse].append(run_once(engine, bench, workload))
+                    wall = runs[workload][reuse][-1]["wall_s"]
+                    print(f"[prefix bench] {name} {workload} reuse={reuse}: {wall:.1f}s", file=sys.stderr)
+        fastest = {w: {r: min(runs[w][r], key=lambda run: run["wall_s"]) for r in (False, True)} for w in workloads}
+        results[name] = {w: compare(w, bench, fastest[w][False], fastest[w][True]) for w in workloads}
+        del engines
+    return results
+
+
+def run_prefix_benchmark(gpt, tokenizer, opts: dict) -> dict:
+    """`thunder-batch bench --dataset multi-turn|shared-prefix`: build the workload from the bench's
+    options, run every engine system of `systems` off and on, print the comparison, write JSON."""
+    import json
+    import math
+
+    from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
+    from thunder_batch.bench.report import machine_info, write_json
+
+    names = [n.split("@")[0] for n in opts["systems"].split(",") if n.split("@")[0] in ENGINE_SYSTEMS]
+    systems = {n: engine_overrides(n, opts["cache_dir"]) for n in names or ["eager"]}
+    batch_size = int(str(opts["batch_size"]).split(",")[0])
+    encode = None if tokenizer is None else (lambda text: tokenizer.encode(text).tolist())
+    multi = opts["dataset"] == "multi-turn"
+    bench = build_prefix_bench(
+        opts["dataset"],
+        opts["num_requests"],
+        opts["max_new_tokens"],
+        batch_size,
+        turns=opts["turns"],
+        turn_len=opts["input_len"],
+        system_len=opts["input_len"],
+        seed=opts["seed"],
+        encode=encode,
+        vocab_size=gpt.config.padded_vocab_size,
+    )
+    need = opts["turns"] * (opts["input_len"] + opts["max_new_tokens"]) if multi else opts["input_len"] + 40
+    need += 0 if multi else opts["max_new_tokens"]
+    base = EngineConfig(
+        batch_size=batch_size,
+        max_seq_length=opts["max_seq_length"] or 64 * math.ceil(need / 64),
+        prefill_chunk=opts["prefill_chunk"],
+        prefill_lanes=min(opts["prefill_lanes"], batch_size),
+        max_prefill_lanes=opts["max_prefill_lanes"],
+    )
+    results = run_prefix_bench(gpt, tokenizer, bench, systems, base, opts.get("repeats", 1))
+    summary = dict(
+        dataset=opts["dataset"],
+        batch_size=batch_size,
+        num_requests=opts["num_requests"],
+        turns=opts["turns"] if multi else None,
+        input_len=opts["input_len"],
+        max_new_tokens=opts["max_new_tokens"],
+        max_seq_length=base.max_seq_length,
+        repeats=opts.get("repeats", 1),
+        precision=str(gpt.lm_head.weight.dtype).removeprefix("torch."),
+        results=results,
+        meta=dict(machine_info(gpt.lm_head.weight.device), command=" ".join(sys.argv)),
+    )
+    print(json.dumps(_headline(summary), indent=1))
+    if opts["output_json"]:
+        write_json(summary, opts["output_json"])
+    return summary
+
+
+def engine_overrides(system: str, cache_dir) -> dict:
+    """EngineConfig fields of an engine system of the benchmark (eager, or Thunder with its executors)."""
+    from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
+
+    executors = ENGINE_SYSTEMS[system]
+    if executors is None:
+        return dict(compile="eager")
+    return dict(compile="thunder", executors=executors or None, cache_dir=None if cache_dir is None else str(cache_dir))
+
+
+def _headline(summary: dict) -> dict:
+    """The comparison without per-turn lists (stdout)."""
+    keep = lambda d: {k: v for k, v in d.items() if k != "ttft_by_turn_s"}  # noqa: E731
+    return {name: {w: keep(c) for w, c in by_workload.items()} for name, by_workload in summary["results"].items()}
