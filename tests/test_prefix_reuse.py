@@ -305,3 +305,32 @@ def test_metrics_count_prefix_cache_queries_and_hits_in_tokens():
     # a keeps [1..6] and the 2 outputs it fed; b shares its first 6 tokens with them
     assert 'thunder_batch:prefix_cache_queries_total{model_name="tiny"} 14.0' in text
     assert 'thunder_batch:prefix_cache_hits_total{model_name="tiny"} 6.0' in text
+
+
+def test_prefix_bench_compares_reuse_off_and_on_on_the_same_tokens(tmp_path):
+    """`bench --dataset multi-turn / shared-prefix` on a tiny model: equal tokens, the engine's counters,
+    and a control sharing nothing that reuse leaves as it was (same steps, same tokens computed)."""
+    import json
+
+    from thunder_batch.bench.prefix import run_prefix_benchmark
+
+    gpt = tiny_gpt("llama")
+    common = dict(max_new_tokens=5, batch_size="3", systems="eager,litgpt-batched", cache_dir=None, turns=4)
+    common.update(prefill_chunk=8, prefill_lanes=2, max_prefill_lanes=None, max_seq_length=None, seed=0)
+    multi = run_prefix_benchmark(
+        gpt, None, dict(common, dataset="multi-turn", num_requests=2, input_len=6, output_json=None)
+    )
+    [(name, by_workload)] = multi["results"].items()
+    turn = by_workload["multi-turn"]
+    assert name == "eager" and turn["tokens_equal"] and len(turn["ttft_by_turn_s"][1]) == 4
+    # 2 conversations, turn t's prompt is 11t - 5 tokens; all but the first turn's reuse 11(t-1) - 1 of them
+    assert turn["prompt_tokens_computed"] == (2 * sum(11 * t - 5 for t in range(1, 5)), 2 * (6 + 3 * 7))
+    out = tmp_path / "shared.json"
+    shared = dict(common, dataset="shared-prefix", num_requests=6, input_len=20, output_json=out)
+    result = run_prefix_benchmark(gpt, None, shared)["results"]["eager"]
+    assert result["shared-prefix"]["tokens_equal"] and result["shared-prefix"]["computed_over_unique"] == 1.0
+    assert result["shared-prefix"]["unique_tokens"] == 20 + 6 * 40
+    control = result["control"]
+    assert control["tokens_equal"] and control["steps"][0] == control["steps"][1]
+    assert control["prompt_tokens_computed"] == (6 * 60, 6 * 60) and control["prompt_tokens_reused"] == 0
+    assert json.loads(out.read_text())["results"]["eager"]["shared-prefix"]["tokens_equal"]

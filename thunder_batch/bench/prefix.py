@@ -132,7 +132,24 @@ def drive_burst(engine, prompts: list[list[int]], max_new_tokens: int) -> list[d
     return [records[i] for i in ids]
 
 
+class ScheduleTimer:
+    """Seconds the engine's scheduler spends planning (admission and prefix matching are host work)."""
+
+    def __init__(self, scheduler) -> None:
+        self.seconds, self.schedule = 0.0, scheduler.schedule
+
+        def timed():
+            start = time.perf_counter()
+            try:
+                return self.schedule()
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        scheduler.schedule = timed  # on the instance: `del scheduler.schedule` restores the class's
+
+
 def run_once(engine, bench: PrefixBench, workload: str) -> dict:
+    timer = ScheduleTimer(engine.scheduler)
     start, before = time.perf_counter(), engine.stats()
     if workload == "multi-turn":
         records = drive_conversations(engine, bench.turns, bench.max_new_tokens)
@@ -141,9 +158,14 @@ def run_once(engine, bench: PrefixBench, workload: str) -> dict:
             engine, bench.prompts if workload == "shared-prefix" else bench.control, bench.max_new_tokens
         )
     wall, stats = time.perf_counter() - start, engine.stats()
+    del engine.scheduler.schedule  # the instance attribute ScheduleTimer set: the class's method again
     counted = ("steps", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_reused", "generated_tokens")
     return dict(
-        wall_s=wall, records=records, **{k: stats[k] - before[k] for k in counted}, cache_misses=stats["cache_misses"]
+        wall_s=wall,
+        schedule_s=timer.seconds,
+        records=records,
+        **{k: stats[k] - before[k] for k in counted},
+        cache_misses=stats["cache_misses"],
     )
 
 
@@ -155,6 +177,10 @@ def compare(workload: str, bench: PrefixBench, off: dict, on: dict) -> dict:
         steps=(off["steps"], on["steps"]),
         wall_s=(off["wall_s"], on["wall_s"]),
         wall_on_over_off=on["wall_s"] / off["wall_s"],
+        schedule_s=(off["schedule_s"], on["schedule_s"]),
+        # planning time reuse adds, as a share of the run without it (the steps themselves are the same work
+        # when nothing is shared: same plans, same shapes)
+        schedule_added_share=(on["schedule_s"] - off["schedule_s"]) / off["wall_s"],
         prompt_tokens_computed=(off["prompt_tokens_computed"], on["prompt_tokens_computed"]),
         prompt_tokens_reused=on["prompt_tokens_reused"],
         computed_on_over_off=on["prompt_tokens_computed"] / max(off["prompt_tokens_computed"], 1),
