@@ -331,6 +331,7 @@ def test_prefix_bench_compares_reuse_off_and_on_on_the_same_tokens(tmp_path):
     assert result["shared-prefix"]["tokens_equal"] and result["shared-prefix"]["computed_over_unique"] == 1.0
     assert result["shared-prefix"]["unique_tokens"] == 20 + 6 * 40
     control = result["control"]
-    assert control["tokens_equal"] and control["steps"][0] == control["steps"][1]
+    assert control["tokens_equal"] and control["steps"][0] == control["steps"][1] and control["same_plans"]
+    assert not result["shared-prefix"]["same_plans"]
     assert control["prompt_tokens_computed"] == (6 * 60, 6 * 60) and control["prompt_tokens_reused"] == 0
     assert json.loads(out.read_text())["results"]["eager"]["shared-prefix"]["tokens_equal"]

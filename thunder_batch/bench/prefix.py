@@ -133,17 +133,19 @@ def drive_burst(engine, prompts: list[list[int]], max_new_tokens: int) -> list[d
 
 
 class ScheduleTimer:
-    """Seconds the engine's scheduler spends planning (admission and prefix matching are host work)."""
+    """Seconds the engine's scheduler spends planning (admission and prefix matching are host work), and
+    every plan as (request, first position, tokens) per fed request: which request goes when."""
 
     def __init__(self, scheduler) -> None:
-        self.seconds, self.schedule = 0.0, scheduler.schedule
+        self.seconds, self.schedule, self.plans = 0.0, scheduler.schedule, []
 
         def timed():
             start = time.perf_counter()
-            try:
-                return self.schedule()
-            finally:
-                self.seconds += time.perf_counter() - start
+            plan = self.schedule()
+            self.seconds += time.perf_counter() - start
+            if plan is not None:
+                self.plans.append(sorted((w.request.request_id, w.start_pos, len(w.token_ids)) for w in plan.work))
+            return plan
 
         scheduler.schedule = timed  # on the instance: `del scheduler.schedule` restores the class's
 
@@ -163,6 +165,7 @@ def run_once(engine, bench: PrefixBench, workload: str) -> dict:
     return dict(
         wall_s=wall,
         schedule_s=timer.seconds,
+        plans=timer.plans,
         records=records,
         **{k: stats[k] - before[k] for k in counted},
         cache_misses=stats["cache_misses"],
@@ -178,6 +181,7 @@ def compare(workload: str, bench: PrefixBench, off: dict, on: dict) -> dict:
         wall_s=(off["wall_s"], on["wall_s"]),
         wall_on_over_off=on["wall_s"] / off["wall_s"],
         schedule_s=(off["schedule_s"], on["schedule_s"]),
+        same_plans=off["plans"] == on["plans"],  # the same requests fed the same tokens at every step
         # planning time reuse adds, as a share of the run without it (the steps themselves are the same work
         # when nothing is shared: same plans, same shapes)
         schedule_added_share=(on["schedule_s"] - off["schedule_s"]) / off["wall_s"],
