@@ -312,7 +312,7 @@ def test_prefix_bench_compares_reuse_off_and_on_on_the_same_tokens(tmp_path):
     and a control sharing nothing that reuse leaves as it was (same steps, same tokens computed)."""
     import json
 
-    from thunder_batch.bench.prefix import run_prefix_benchmark
+    from thunder_batch.bench.prefix_run import run_prefix_benchmark
 
     gpt = tiny_gpt("llama")
     common = dict(max_new_tokens=5, batch_size="3", systems="eager,litgpt-batched", cache_dir=None, turns=4)

@@ -87,7 +87,8 @@ def bench(
         plot: Write a PNG here: tokens/s vs batch size per system, and the TTFT distribution.
         progress: tqdm progress bars on stderr.
     """
-    from thunder_batch.bench.prefix import PREFIX_DATASETS, run_prefix_benchmark
+    from thunder_batch.bench.prefix import PREFIX_DATASETS
+    from thunder_batch.bench.prefix_run import run_prefix_benchmark
     from thunder_batch.bench.run import run_benchmark
     from thunder_batch.chat import prompt_style_for
     from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
