@@ -335,3 +335,19 @@ def test_prefix_bench_compares_reuse_off_and_on_on_the_same_tokens(tmp_path):
     assert not result["shared-prefix"]["same_plans"]
     assert control["prompt_tokens_computed"] == (6 * 60, 6 * 60) and control["prompt_tokens_reused"] == 0
     assert json.loads(out.read_text())["results"]["eager"]["shared-prefix"]["tokens_equal"]
+
+
+def test_switch_and_threshold_are_validated_and_reach_the_engine():
+    from thunder_batch.cli.options import EngineOptions
+    from thunder_batch.config import ParamError
+
+    assert EngineConfig().prefix_reuse is True and EngineConfig().prefix_copy_min == 1
+    assert EngineOptions(prefix_reuse=False).engine_config().prefix_reuse is False
+    with pytest.raises(ParamError, match="prefix_reuse must be True or False"):
+        EngineConfig(prefix_reuse="yes")
+    with pytest.raises(ParamError, match="prefix_copy_min must be an int >= 1"):
+        EngineConfig(prefix_copy_min=0)
+    engine = engine_for(tiny_gpt("llama"), reuse=False)
+    prompt = list(range(1, 20))
+    engine.generate([prompt, prompt], SamplingParams(max_new_tokens=2))
+    assert engine.scheduler.kept == [[], []] and engine.stats()["prompt_tokens_computed"] == 38
