@@ -351,3 +351,10 @@ def test_switch_and_threshold_are_validated_and_reach_the_engine():
     prompt = list(range(1, 20))
     engine.generate([prompt, prompt], SamplingParams(max_new_tokens=2))
     assert engine.scheduler.kept == [[], []] and engine.stats()["prompt_tokens_computed"] == 38
+
+
+def test_plans_compare_across_repeats_by_request_order():
+    from thunder_batch.bench.prefix import numbered_from_zero
+
+    assert numbered_from_zero([[(7, 0, 8), (8, 0, 8)], [(7, 8, 1)]]) == [[(0, 0, 8), (1, 0, 8)], [(0, 8, 1)]]
+    assert numbered_from_zero([[(9, 0, 8)], [(8, 0, 8)]]) != numbered_from_zero([[(8, 0, 8)], [(9, 0, 8)]])

@@ -167,11 +167,18 @@ def run_once(engine, bench: PrefixBench, workload: str) -> dict:
     return dict(
         wall_s=wall,
         schedule_s=timer.seconds,
-        plans=timer.plans,
+        plans=numbered_from_zero(timer.plans),
         records=records,
         **{k: stats[k] - before[k] for k in counted},
         cache_misses=stats["cache_misses"],
     )
+
+
+def numbered_from_zero(plans: list) -> list:
+    """Plans with request ids counted from the run's first (ids are consecutive within a run, so runs of
+    the same workload on different engines or repeats compare)."""
+    first = min((rid for plan in plans for rid, _, _ in plan), default=0)
+    return [[(rid - first, pos, n) for rid, pos, n in plan] for plan in plans]
 
 
 def compare(workload: str, bench: PrefixBench, off: dict, on: dict) -> dict:
