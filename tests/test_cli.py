@@ -34,7 +34,14 @@ def test_bare_switches_mean_true():
 
 # The options the commands share, with their defaults: declared once (thunder_batch.cli), listed by every command.
 MODEL_FLAGS = {"checkpoint_dir": "null", "precision": "float32"}
-ENGINE_FLAGS = {**MODEL_FLAGS, "batch_size": "8", "max_seq_length": "1024", "prefill_chunk": "64", "cache_dir": "null"}
+ENGINE_FLAGS = {
+    **MODEL_FLAGS,
+    "batch_size": "8",
+    "max_seq_length": "1024",
+    "prefill_chunk": "64",
+    "cache_dir": "null",
+    "prefix_reuse": "True",
+}
 EXPECTED_FLAGS = {
     "generate": {**ENGINE_FLAGS, "compile": "thunder", "prompt": "null", "max_new_tokens": "64"},
     "serve": {**ENGINE_FLAGS, "compile": "thunder", "host": "127.0.0.1", "port": "8000"},
@@ -48,6 +55,8 @@ EXPECTED_FLAGS = {
         "systems": "litgpt-sequential,litgpt-batched,eager,thunder-default,thunder-torch,thunder-torchcompile,"
         "thunder-nvfuser,hf-transformers,hf-transformers-compile",
         "precisions": "null",
+        "prefix_reuse": "True",
+        "turns": "8",
     },
 }
 

@@ -75,17 +75,23 @@ def test_padding_and_empty_slots_never_touch_real_entries(compile):
 
 @pytest.mark.parametrize("compile", MODES)
 def test_slot_reuse_without_clearing_hides_stale_entries(compile):
-    """Invariant 2: caches full of garbage (and earlier requests) do not change any output."""
+    """Invariant 2: caches full of garbage (and earlier requests) do not change any output; the
+    entries a slot keeps for prefix reuse are exactly the valid ones."""
     gpt = tiny_gpt("llama")
     prompts = mixed_prompts(6, [3, 12, 20])
     engine = engine_for(compile, batch_size=2)
     fill_with_garbage(engine, seed=1)
     first = engine.generate(prompts, SamplingParams(max_new_tokens=6))
     fill_with_garbage(engine, seed=2)
+    engine.reset_prefix_cache()  # written behind the engine's back: no kept entry is valid any more
     again = engine.generate(prompts[::-1], SamplingParams(max_new_tokens=6))[::-1]
+    reused = engine.stats()["prompt_tokens_reused"]
+    kept = engine.generate(prompts[:2], SamplingParams(max_new_tokens=6))  # the last two prompts' slots kept
+    assert engine.stats()["prompt_tokens_reused"] - reused == len(prompts[0]) + len(prompts[1]) - 2
     for p, a, b in zip(prompts, first, again):
         want = litgpt_greedy(gpt, p, 6)
         assert a.token_ids == want and b.token_ids == want
+    assert [r.token_ids for r in kept] == [r.token_ids for r in first[:2]]
 
 
 @pytest.mark.parametrize("family", ["pythia", "llama", "gemma2", "phi2"])

@@ -107,6 +107,11 @@ class EngineConfig:
     # "layers": prefix, blocks and head traced apart, layers sharing block traces (seconds to compile,
     # stored in the compile cache); "step": the whole step as one trace (minutes; in memory only)
     trace: str = "layers"
+    # Keep each slot's cache after its request ends and feed a new prompt only past the prefix a slot
+    # already holds (in place, or copied from another slot when that saves `prefix_copy_min` tokens:
+    # a copy of any length costs well under a token's compute, benchmarks/prefix_copy.py).
+    prefix_reuse: bool = True
+    prefix_copy_min: int = 1
 
     def __post_init__(self) -> None:
         _require_int("batch_size", self.batch_size, 1)
@@ -118,6 +123,9 @@ class EngineConfig:
         if self.attention_lengths is not None:
             object.__setattr__(self, "attention_lengths", _as_tuple(self.attention_lengths))
         self.ladder  # noqa: B018  (validates the rungs)
+        if not isinstance(self.prefix_reuse, bool):
+            raise ParamError("prefix_reuse", f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
+        _require_int("prefix_copy_min", self.prefix_copy_min, 1)
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.trace not in TRACE_MODES:

@@ -27,7 +27,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.prompt_style = prompt_style or prompt_style_for(model.config)
         self.runner = Runner(model, self.config)
-        self.scheduler = Scheduler(self.config.batch_size, self.config.prefill_chunk, self.config.lane_counts)
+        cfg = self.config
+        self.scheduler = Scheduler(
+            cfg.batch_size, cfg.prefill_chunk, cfg.lane_counts, cfg.prefix_reuse, cfg.prefix_copy_min
+        )
         self.vocab_size = model.config.padded_vocab_size
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_ids = frozenset() if eos is None else frozenset({eos})
@@ -148,8 +151,13 @@ class Engine:
         if request is None:
             return False
         request.abort()
-        self.scheduler.remove(request)
+        self.scheduler.remove(request, keep=False)
         return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every slot's kept tokens, so no later prompt reuses cache entries computed before now
+        (call it after changing the model's weights). Running requests go on with their own entries."""
+        self.scheduler.drop_kept()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -160,7 +168,11 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
-        result = self.runner.run(plan)
+        try:
+            result = self.runner.run(plan)
+        except BaseException:  # the caches may be half written: no prompt may take entries from them
+            self.scheduler.step_failed(plan)
+            raise
         self._counters["steps"] += 1
         outputs = []
         for work in plan.work:
@@ -232,13 +244,22 @@ class Engine:
         return self.runner.warmup(progress)
 
     def stats(self) -> dict:
-        """Counters: steps, tokens, requests; `cache_misses` (step shapes made: one per shape in
+        """Counters: steps, tokens, requests; `prompt_tokens` (every prompt token of the requests admitted:
+        `prompt_tokens_computed` fed to the model, `prompt_tokens_reused` taken from a slot's cache),
+        `prefix_cache_queries` / `prefix_cache_hits` (prompt tokens looked up / found, as vLLM counts);
+        `cache_misses` (step shapes made: one per shape in
         `step_shapes`, whatever the traffic), `programs` (per piece: prefix, block, head variants),
         `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache),
         `thunder_traces` (traces Thunder itself counts: a retrace shows here), and `compile_seconds`
         (per piece: `compile_seconds_by_piece`)."""
+        computed, scheduler = self._counters["prompt_tokens"], self.scheduler
         return dict(
             self._counters,
+            prompt_tokens=computed + scheduler.prefix_hits,
+            prompt_tokens_computed=computed,
+            prompt_tokens_reused=scheduler.prefix_hits,
+            prefix_cache_queries=scheduler.prefix_queries,
+            prefix_cache_hits=scheduler.prefix_hits,
             **program_stats(self.runner.step_fn),
             step_shapes=[shape.describe(self.config) for shape in self.config.step_shapes],
             running=self.scheduler.num_running(),

@@ -147,6 +147,14 @@ class Runner:
         """The step row of a work's first token: its slot's decode row, or the start of its lane."""
         return work.slot if work.lane is None else self.config.batch_size + work.lane * self.config.prefill_chunk
 
+    def copy_prefixes(self, copies) -> None:
+        """Copy cache entries between slots (PrefixCopy: src, dst, start, end), in every layer, in place:
+        the step program (traced, loaded, or a CUDA graph) reads and writes these same buffers."""
+        for cache in self.caches:
+            for c in copies:
+                for buf in (cache.k, cache.v):  # [B, G, S + 1 + C, D]
+                    buf[c.dst, :, c.start : c.end].copy_(buf[c.src, :, c.start : c.end])
+
     def warmup(self, progress: bool = False) -> dict[str, float]:
         """Run every step shape once with all slots empty (padding writes only scratch entries), so
         tracing happens now rather than at the first request; returns seconds per shape (described)."""
@@ -184,6 +192,7 @@ class Runner:
         if head is None:
             head = head_for(plan, None if len(self.head_variants) > 1 else self.head_variants[0])
         with torch.no_grad():
+            self.copy_prefixes(plan.copies)
             out = self.step_fn(*self.inputs_for(plan, shape).as_args(), head=head)
         result = StepResult(out[0].tolist(), out[1].tolist())
         if len(out) > 2:

@@ -24,8 +24,20 @@ class SlotWork:
 
 
 @dataclass(frozen=True)
+class PrefixCopy:
+    """Cache entries `start .. end-1` of slot `src` copied into slot `dst` before the step (every layer's
+    K and V): a prompt prefix another slot already holds, not computed again."""
+
+    src: int
+    dst: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class StepPlan:
     work: list[SlotWork]
+    copies: tuple[PrefixCopy, ...] = ()  # done, in order, before the step runs
 
     @property
     def busy_lanes(self) -> int:
@@ -41,6 +53,15 @@ class StepPlan:
 class Scheduler:
     """Admits waiting requests into free slots (FIFO) and plans each step.
 
+    With `prefix_reuse`, a slot keeps the token ids of the cache entries its last request wrote
+    (`kept`): a slot is reused without clearing, and an entry depends only on the tokens up to it, so
+    a new prompt sharing k of them needs only the rest fed (at least its last token, whose logits give
+    the first sample). Admission takes the free slot sharing the longest prefix (ties: the least
+    recently used), and copies a longer prefix from another slot, busy or free, when it saves at least
+    `copy_min` tokens. A request waits while a slot still reading its prompt will soon hold a chunk
+    or more of its prefix, `copy_min` more than any slot holds now (a burst sharing one system prompt
+    reads it once). Requests asking for prompt logprobs feed every prompt token.
+
     A decoding slot (one pending token) feeds it through its decode row, every step: decode never
     pauses. Slots with prompt left take prefill lanes in admission order, up to `chunk` tokens each
     per step (a long prompt spans several steps). `lane_counts` are the lane counts a step may have
@@ -49,12 +70,26 @@ class Scheduler:
     lane. With no lane counts, prompts go in one token per step through the decode rows.
     """
 
-    def __init__(self, num_slots: int, chunk: int, lane_counts: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        chunk: int,
+        lane_counts: tuple[int, ...] = (),
+        prefix_reuse: bool = False,
+        copy_min: int = 1,
+    ) -> None:
         self.chunk, self.lane_counts = chunk, lane_counts
+        self.prefix_reuse, self.copy_min = prefix_reuse, copy_min
         self.slots: list[Request | None] = [None] * num_slots
         self.waiting: deque[Request] = deque()
         self._admitted = itertools.count()
         self._admission: dict[int, int] = {}  # slot -> admission order of its request
+        self.kept: list[list[int]] = [[] for _ in range(num_slots)]  # free slot -> ids of its valid entries
+        self._released = [0] * num_slots  # when each slot was last freed (0: never): least recently used first
+        self._clock = itertools.count(1)
+        self._untrusted: set[int] = set()  # busy slots whose entries no other request may take
+        self.prefix_queries = 0  # prompt tokens of the requests admitted with a prefix lookup
+        self.prefix_hits = 0  # of those, tokens taken from a slot's cache instead of computed
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -71,17 +106,38 @@ class Scheduler:
                 return request
         return None
 
-    def remove(self, request: Request) -> None:
-        """Take a request out of the queue or free its slot (finished or aborted)."""
+    def remove(self, request: Request, keep: bool = True) -> None:
+        """Take a request out of the queue or free its slot (finished, or aborted: `keep` False drops
+        the tokens its slot would keep)."""
         if request.slot is not None:
-            self.slots[request.slot] = None
+            slot = request.slot
+            trusted = keep and self.prefix_reuse and slot not in self._untrusted
+            self.kept[slot] = cached_ids(request) if trusted else []
+            self._untrusted.discard(slot)
+            self._released[slot] = next(self._clock)
+            self.slots[slot] = None
             request.slot = None
         elif request in self.waiting:
             self.waiting.remove(request)
 
+    def drop_kept(self) -> None:
+        """Forget every slot's kept tokens (weights changed, a step failed): free slots' now, busy slots'
+        as sources at once and as kept tokens when they are freed."""
+        self.kept = [[] for _ in self.slots]
+        self._untrusted = {slot for slot, r in enumerate(self.slots) if r is not None}
+
+    def step_failed(self, plan: StepPlan) -> None:
+        """After a step that raised: its copies may be partial, so their requests compute those entries."""
+        for copy in plan.copies:
+            request = self.slots[copy.dst]
+            if request is not None and request.num_cached == copy.end:
+                request.num_cached = copy.start
+                self.prefix_hits -= copy.end - copy.start
+        self.drop_kept()
+
     def schedule(self) -> StepPlan | None:
         """Admit into free slots, then plan one step; None when there is nothing to run."""
-        self._admit()
+        copies = self._admit()
         prefilling = []
         work = []
         for slot, request in enumerate(self.slots):
@@ -95,7 +151,7 @@ class Scheduler:
         prefilling.sort(key=self._admission.__getitem__)
         for lane, slot in enumerate(prefilling[: self._lanes_open(len(prefilling))]):
             work.append(self._lane_work(lane, slot, self.slots[slot]))
-        return StepPlan(work) if work else None
+        return StepPlan(work, tuple(copies)) if work else None
 
     def _lanes_open(self, prefilling: int) -> int:
         """Lanes for this step: the largest lane count that `prefilling` slots fill, at least the first."""
@@ -103,15 +159,104 @@ class Scheduler:
             return 0
         return max([c for c in self.lane_counts if c <= prefilling] or [self.lane_counts[0]])
 
-    def _admit(self) -> None:
-        for slot, occupant in enumerate(self.slots):
-            if occupant is None and self.waiting:
-                request = self.waiting.popleft()
-                request.slot = slot
-                self.slots[slot] = request
-                self._admission[slot] = next(self._admitted)
+    def _admit(self) -> list[PrefixCopy]:
+        """Fill free slots from the queue in order (FIFO; a request waiting for a prefix keeps its place)."""
+        free = [slot for slot, occupant in enumerate(self.slots) if occupant is None]
+        copies, held = [], []
+        while free and self.waiting:
+            request = self.waiting.popleft()
+            if not self.prefix_reuse:
+                self._place(request, free.pop(0))
+            elif self._wait_for_prefix(request):
+                held.append(request)
+            else:
+                copies += self._place_reusing(request, free)
+        self.waiting.extendleft(reversed(held))
+        return copies
+
+    def _place(self, request: Request, slot: int) -> None:
+        request.slot = slot
+        self.slots[slot] = request
+        self._admission[slot] = next(self._admitted)
+        self.kept[slot] = []  # busy: its request's cached_ids tell what it holds
+
+    def _place_reusing(self, request: Request, free: list[int]) -> list[PrefixCopy]:
+        """Admit into the free slot sharing the longest prefix (ties: least recently used), from that
+        point; copy a longer prefix from another slot if it saves `copy_min` tokens."""
+        limit = reusable(request)
+        slot, start = max(
+            ((s, common_prefix(self.kept[s], request.prompt_ids, limit)) for s in free),
+            key=lambda pair: (pair[1], -self._released[pair[0]], -pair[0]),
+        )
+        free.remove(slot)
+        copies = []
+        src, end = self._best_source(request, exclude=slot)
+        if end - start >= self.copy_min:
+            copies.append(PrefixCopy(src, slot, start, end))
+            start = end
+        self._place(request, slot)
+        request.num_cached = start
+        self.prefix_queries += len(request.prompt_ids)
+        self.prefix_hits += start
+        return copies
+
+    def _sources(self, exclude: int | None = None):
+        """(slot, token ids its first entries hold) of every slot a prompt may copy from."""
+        for slot, request in enumerate(self.slots):
+            if slot == exclude or slot in self._untrusted:
+                continue
+            yield slot, self.kept[slot] if request is None else cached_ids(request)
+
+    def _best_source(self, request: Request, exclude: int | None = None) -> tuple[int, int]:
+        """(slot, length) of the longest prefix of the prompt another slot holds ((-1, 0): none)."""
+        limit = reusable(request)
+        best = (-1, 0)
+        for slot, ids in self._sources(exclude):
+            length = common_prefix(ids, request.prompt_ids, limit)
+            if length > best[1]:
+                best = (slot, length)
+        return best
+
+    def _wait_for_prefix(self, request: Request) -> bool:
+        """Whether a slot still reading its prompt will hold at least a chunk of this prompt's prefix,
+        and `copy_min` more of it than any slot holds now: wait for it rather than compute the prefix
+        twice (a shorter one, such as a chat template's header, is not worth a step's wait)."""
+        limit = reusable(request)
+        soon = max(
+            (
+                common_prefix(r.prompt_ids, request.prompt_ids, limit)
+                for s, r in enumerate(self.slots)
+                if r is not None and s not in self._untrusted and r.num_cached < len(r.prompt_ids)
+            ),
+            default=0,
+        )
+        return soon >= self.chunk and soon - self._best_source(request)[1] >= self.copy_min
 
     def _lane_work(self, lane: int, slot: int, request: Request) -> SlotWork:
         pending = request.pending_ids()
         feed = pending[: self.chunk]
         return SlotWork(slot, request, feed, request.num_cached, samples=len(feed) == len(pending), lane=lane)
+
+
+def cached_ids(request: Request) -> list[int]:
+    """Token ids of the cache entries a request has written, by position (prompt, then output: a stop
+    that cut output tokens cut a suffix, so what remains still matches the entries)."""
+    return (request.prompt_ids + request.output_ids)[: request.num_cached]
+
+
+def reusable(request: Request) -> int:
+    """How many prompt tokens may come from a cache: all but the last (its logits give the first
+    sample); none when the prompt's own logprobs are asked for (every prompt row is scored)."""
+    return 0 if request.params.prompt_logprobs is not None else len(request.prompt_ids) - 1
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of a and b, at most `limit` (compared 64 at a time)."""
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i : i + 64] == b[i : i + 64]:
+        i += 64
+    i = min(i, n)
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -171,6 +171,7 @@ DEFAULTS = dict(
     max_prefill_lanes=None,
     attention_lengths=None,
     max_seq_length=None,
+    prefix_reuse=True,
     request_rate=math.inf,
     seed=0,
     ignore_eos=False,

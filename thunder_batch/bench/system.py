@@ -37,6 +37,7 @@ class BenchContext:
     profile: bool = False
     llama_cpp_bin: str | None = None  # a llama.cpp build's bin/ (bench.llama_cpp), else $LLAMA_CPP_BIN
     llama_cpp_gguf: str | None = None  # comma-separated GGUF files of the checkpoint, one per precision
+    prefix_reuse: bool = True  # engines keep their slots' caches for prompts sharing a prefix
 
     @classmethod
     def from_options(cls, gpt, tokenizer, opts: dict, max_seq_length: int) -> BenchContext:
@@ -57,6 +58,7 @@ class BenchContext:
             profile=opts["profile"],
             llama_cpp_bin=None if opts.get("llama_cpp_bin") is None else str(opts["llama_cpp_bin"]),
             llama_cpp_gguf=opts.get("llama_cpp_gguf"),
+            prefix_reuse=opts.get("prefix_reuse", True),
         )
 
     @property

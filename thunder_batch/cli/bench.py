@@ -11,7 +11,7 @@ from thunder_batch.cli.options import ModelOptions
 
 
 def bench(
-    dataset: Literal["prompts", "random"] = "prompts",
+    dataset: Literal["prompts", "random", "multi-turn", "shared-prefix"] = "prompts",
     num_requests: int = 32,
     max_new_tokens: int = 64,
     input_len: int = 128,
@@ -22,6 +22,9 @@ def bench(
     max_prefill_lanes: int | None = None,
     attention_lengths: str | None = None,
     max_seq_length: int | None = None,
+    turns: int = 8,
+    repeats: int = 1,
+    prefix_reuse: bool = True,
     request_rate: float = math.inf,
     seed: int = 0,
     ignore_eos: bool = False,
@@ -42,7 +45,12 @@ def bench(
     batched_generate_fn on the same requests and weights; greedy tokens are checked across systems.
 
     Args:
-        dataset: "prompts": the shipped real prompts (chat template applied); "random": random token ids.
+        dataset: "prompts": the shipped real prompts (chat template applied); "random": random token ids;
+            "multi-turn": `num_requests` conversations of `turns` turns, each turn the conversation so far
+            and `input_len` new user tokens; "shared-prefix": `num_requests` requests at once sharing an
+            `input_len`-token system prompt, each with 40 tokens of its own, and a control workload
+            sharing nothing. Both run each engine system of `systems` with prefix reuse off and on and
+            compare them (other systems and options are ignored; `batch_size`: the first one).
         num_requests: Number of requests (N).
         max_new_tokens: Most tokens per request; each request's limit is drawn uniformly from
             [max_new_tokens * (1 - range_ratio), max_new_tokens].
@@ -55,6 +63,10 @@ def bench(
         attention_lengths: Comma-separated rungs of the attention-length ladder, e.g. "256,512"; None:
             the engine's default (256, 512, ... up to max_seq_length).
         max_seq_length: KV cache length per slot; None fits the workload (rounded up to 64).
+        turns: Turns per conversation of the multi-turn dataset.
+        repeats: Runs of each multi-turn / shared-prefix workload with reuse off and on, alternating; the
+            fastest of each is compared (the machine's noise).
+        prefix_reuse: Engines keep their slots' caches for prompts sharing a prefix (the other datasets).
         request_rate: Requests per second of a Poisson arrival process; inf sends all at once (offline).
         seed: Seed of the workload (lengths, random tokens, prompt order, arrival times).
         ignore_eos: Generate exactly each request's token limit, ignoring the end-of-sequence token.
@@ -82,6 +94,8 @@ def bench(
         plot: Write a PNG here: tokens/s vs batch size per system, and the TTFT distribution.
         progress: tqdm progress bars on stderr.
     """
+    from thunder_batch.bench.prefix import PREFIX_DATASETS
+    from thunder_batch.bench.prefix_run import run_prefix_benchmark
     from thunder_batch.bench.run import run_benchmark
     from thunder_batch.chat import prompt_style_for
     from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
@@ -90,6 +104,9 @@ def bench(
     model = ModelOptions(**model)  # the engine's shape options are bench's own: it sweeps batch sizes
     checkpoint_dir = default_checkpoint_dir() if model.checkpoint_dir is None else model.checkpoint_dir
     gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=model.dtype, device=device)
+    if dataset in PREFIX_DATASETS:
+        run_prefix_benchmark(gpt, tokenizer, dict(options, turns=turns, repeats=repeats))
+        return
     run_benchmark(
         gpt, tokenizer, prompt_style_for(config, checkpoint_dir), model_label=Path(checkpoint_dir).name, **options
     )
@@ -107,6 +124,7 @@ RUN_OPTIONS = (
     "max_prefill_lanes",
     "attention_lengths",
     "max_seq_length",
+    "prefix_reuse",
     "request_rate",
     "seed",
     "ignore_eos",

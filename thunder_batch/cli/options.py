@@ -46,6 +46,8 @@ class EngineOptions(ModelOptions):
             max_seq_length (always the top rung).
         compile: "thunder" traces the step program once per step shape; "eager" runs it as is.
         cache_dir: Compile cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
+        prefix_reuse: Keep each slot's cache after its request and compute only the part of a new prompt
+            past the prefix a slot already holds (a conversation's next turn, a shared system prompt).
     """
 
     batch_size: int = 8
@@ -56,6 +58,7 @@ class EngineOptions(ModelOptions):
     attention_lengths: list[int] | None = None
     compile: Literal["thunder", "eager"] = "thunder"
     cache_dir: str | None = None
+    prefix_reuse: bool = True
 
     def engine_config(self):
         from thunder_batch.config import EngineConfig
@@ -69,6 +72,7 @@ class EngineOptions(ModelOptions):
             attention_lengths=self.attention_lengths,
             compile=self.compile,
             cache_dir=self.cache_dir,
+            prefix_reuse=self.prefix_reuse,
         )
 
     def load_engine(self, device="cpu"):

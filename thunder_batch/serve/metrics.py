@@ -51,6 +51,23 @@ class Metrics:
         self.failed_steps = counter("failed_steps", "Engine steps that raised")
         self.compile_cache_hits = counter("compile_cache_hits", "Step program pieces loaded from the compile cache")
         self.compiled_pieces = counter("compiled_pieces", "Step program pieces traced by Thunder")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the slots' kept caches (requests admitted)"
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens taken from a slot's cache instead of computed (of those looked up)"
+        )
+        self._prefix_seen = (0, 0)
+
+    def count_prefix_cache(self, queries: int, hits: int) -> None:
+        """Advance the prefix cache counters to the engine's running totals (tokens, as vLLM counts). A
+        failed step takes its copies' hits back from the engine's total; the counters never go down."""
+        seen_queries, seen_hits = self._prefix_seen
+        if queries > seen_queries:
+            self.labels(self.prefix_cache_queries).inc(queries - seen_queries)
+        if hits > seen_hits:
+            self.labels(self.prefix_cache_hits).inc(hits - seen_hits)
+        self._prefix_seen = (max(queries, seen_queries), max(hits, seen_hits))
 
     def labels(self, metric, **labels):
         return metric.labels(model_name=self.model, **labels)

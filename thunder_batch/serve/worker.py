@@ -242,6 +242,7 @@ class EngineAPI(ls.LitAPI):
     def _report(self) -> None:
         scheduler = self.engine.scheduler
         self.state.set_worker(self.index, running=scheduler.num_running(), waiting=len(scheduler.waiting))
+        self.metrics.count_prefix_cache(scheduler.prefix_queries, scheduler.prefix_hits)
         self._record_compiles()
         self._publish()
 

@@ -1,0 +1,127 @@
+"""`thunder-batch bench --dataset multi-turn / shared-prefix`: two engines per system (prefix reuse off
+and on, same weights and compile cache), the workloads of `bench.prefix` on each, and the comparison."""
+
+from __future__ import annotations
+
+import sys
+
+from thunder_batch.bench.prefix import QUESTION_LEN, PrefixBench, build_prefix_bench, compare, run_once
+from thunder_batch.config import EngineConfig
+
+
+def engine_pair(gpt, config: EngineConfig, tokenizer) -> dict:
+    """Two engines on the same weights and compile cache, reuse off and on, each warmed up first."""
+    import dataclasses
+
+    from thunder_batch.engine import Engine
+
+    engines = {}
+    for reuse in (False, True):
+        engines[reuse] = Engine(gpt, dataclasses.replace(config, prefix_reuse=reuse), tokenizer=tokenizer)
+        seconds = engines[reuse].warmup()
+        print(f"[prefix bench] warm-up ({'on' if reuse else 'off'}): {sum(seconds.values()):.1f}s", file=sys.stderr)
+    return engines
+
+
+def run_prefix_bench(gpt, tokenizer, bench: PrefixBench, systems: dict, base: EngineConfig, repeats: int = 1) -> dict:
+    """Each system (name -> EngineConfig overrides), reuse off and on, on the dataset's workload and
+    (shared-prefix) the control, `repeats` times each, off and on alternating (each run from a cache
+    holding no prefix: `reset_prefix_cache`); the fastest run of each is compared. Returns the
+    comparisons by system and workload."""
+    import dataclasses
+
+    workloads = [bench.dataset] + (["control"] if bench.dataset == "shared-prefix" else [])
+    results = {}
+    for name, overrides in systems.items():
+        engines = engine_pair(gpt, dataclasses.replace(base, **overrides), tokenizer)
+        runs = {w: {False: [], True: []} for w in workloads}
+        for workload in workloads:
+            for _ in range(repeats):
+                for reuse, engine in engines.items():
+                    engine.reset_prefix_cache()
+                    runs[workload][reuse].append(run_once(engine, bench, workload))
+                    wall = runs[workload][reuse][-1]["wall_s"]
+                    print(f"[prefix bench] {name} {workload} reuse={reuse}: {wall:.1f}s", file=sys.stderr)
+        fastest = {w: {r: min(runs[w][r], key=lambda run: run["wall_s"]) for r in (False, True)} for w in workloads}
+        results[name] = {w: compare(w, bench, fastest[w][False], fastest[w][True]) for w in workloads}
+        del engines
+    return results
+
+
+def run_prefix_benchmark(gpt, tokenizer, opts: dict) -> dict:
+    """`thunder-batch bench --dataset multi-turn|shared-prefix`: build the workload from the bench's
+    options, run every engine system of `systems` off and on, print the comparison, write JSON."""
+    import json
+
+    from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
+    from thunder_batch.bench.report import machine_info, write_json
+
+    names = [n.split("@")[0] for n in opts["systems"].split(",") if n.split("@")[0] in ENGINE_SYSTEMS]
+    systems = {n: engine_overrides(n, opts["cache_dir"]) for n in names or ["eager"]}
+    batch_size = int(str(opts["batch_size"]).split(",")[0])
+    encode = None if tokenizer is None else (lambda text: tokenizer.encode(text).tolist())
+    multi = opts["dataset"] == "multi-turn"
+    bench = build_prefix_bench(
+        opts["dataset"],
+        opts["num_requests"],
+        opts["max_new_tokens"],
+        batch_size,
+        turns=opts["turns"],
+        turn_len=opts["input_len"],
+        system_len=opts["input_len"],
+        seed=opts["seed"],
+        encode=encode,
+        vocab_size=gpt.config.padded_vocab_size,
+    )
+    base = base_config(opts, batch_size)
+    results = run_prefix_bench(gpt, tokenizer, bench, systems, base, opts.get("repeats", 1))
+    summary = dict(
+        dataset=opts["dataset"],
+        batch_size=batch_size,
+        num_requests=opts["num_requests"],
+        turns=opts["turns"] if multi else None,
+        input_len=opts["input_len"],
+        max_new_tokens=opts["max_new_tokens"],
+        max_seq_length=base.max_seq_length,
+        repeats=opts.get("repeats", 1),
+        precision=str(gpt.lm_head.weight.dtype).removeprefix("torch."),
+        results=results,
+        meta=dict(machine_info(gpt.lm_head.weight.device), command=" ".join(sys.argv)),
+    )
+    print(json.dumps(_headline(summary), indent=1))
+    if opts["output_json"]:
+        write_json(summary, opts["output_json"])
+    return summary
+
+
+def base_config(opts: dict, batch_size: int) -> EngineConfig:
+    """The engine shape of the run; max_seq_length None: the longest prompt + reply, rounded up to 64."""
+    import math
+
+    if opts["dataset"] == "multi-turn":
+        need = opts["turns"] * (opts["input_len"] + opts["max_new_tokens"])
+    else:
+        need = opts["input_len"] + QUESTION_LEN + opts["max_new_tokens"]
+    return EngineConfig(
+        batch_size=batch_size,
+        max_seq_length=opts["max_seq_length"] or 64 * math.ceil(need / 64),
+        prefill_chunk=opts["prefill_chunk"],
+        prefill_lanes=min(opts["prefill_lanes"], batch_size),
+        max_prefill_lanes=opts["max_prefill_lanes"],
+    )
+
+
+def engine_overrides(system: str, cache_dir) -> dict:
+    """EngineConfig fields of an engine system of the benchmark (eager, or Thunder with its executors)."""
+    from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
+
+    executors = ENGINE_SYSTEMS[system]
+    if executors is None:
+        return dict(compile="eager")
+    return dict(compile="thunder", executors=executors or None, cache_dir=None if cache_dir is None else str(cache_dir))
+
+
+def _headline(summary: dict) -> dict:
+    """The comparison without per-turn lists (stdout)."""
+    keep = lambda d: {k: v for k, v in d.items() if k != "ttft_by_turn_s"}  # noqa: E731
+    return {name: {w: keep(c) for w, c in by_workload.items()} for name, by_workload in summary["results"].items()}
