@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,3 +114,22 @@ class Server:
     def family(self) -> list[psutil.Process]:
         main = psutil.Process(self.proc.pid)
         return [main, *main.children(recursive=True)]
+
+
+def cut_checkpoint(source: Path, root: Path, n_layer: int = 2) -> Path:
+    """`source`'s embeddings, first `n_layer` blocks, final norm and tokenizer, in root/<source's name> (litgpt
+    picks the tokenizer's BOS handling and the chat template from that name)."""
+    import torch
+    from litgpt import Config
+    from litgpt.utils import save_config
+
+    out = root / source.name
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, out / name)
+    save_config(Config.from_file(source / "model_config.yaml", n_layer=n_layer), out)
+    state = torch.load(source / "lit_model.pth", mmap=True, weights_only=True)
+    blocks = {str(i) for i in range(n_layer)}
+    keep = {k: v.clone() for k, v in state.items() if not k.startswith("transformer.h.") or k.split(".")[2] in blocks}
+    torch.save(keep, out / "lit_model.pth")
+    return out

@@ -14,7 +14,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "thunder_batch"
 
 # Lowest first. A module's layer is that of its longest listed prefix.
 LAYERS = [
-    ("pure Python", ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]),
+    (
+        "pure Python",
+        ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat", "text_encoding"],
+    ),
     (
         "torch",
         ["_compat", "index_ops", "kv_cache", "moe", "model", "sampler", "program", "checkpoints", "gguf_convert"]
@@ -26,7 +29,14 @@ LAYERS = [
     ("front ends", ["serve", "bench"]),
     ("commands", ["cli"]),
 ]
-PURE_NO_TORCH = ["config", "request", "stops", "scheduler", "versions"]  # DESIGN: pure Python, no torch
+PURE_NO_TORCH = [
+    "config",
+    "request",
+    "stops",
+    "scheduler",
+    "versions",
+    "text_encoding",
+]  # DESIGN: pure Python, no torch
 
 
 def _module_name(path: Path) -> str:

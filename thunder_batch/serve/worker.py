@@ -46,6 +46,7 @@ class _Job:
     echo: bool
     logprobs: bool
     arrival: float
+    echo_only: bool = False  # max_tokens 0: only the echoed prompt goes back
     live: set = field(default_factory=set)  # choices still running
     echoed: set = field(default_factory=set)  # choices whose prompt was sent back (echo)
     last_token: dict = field(default_factory=dict)  # choice -> time of its last token
@@ -136,6 +137,7 @@ class EngineAPI(ls.LitAPI):
         self.engine.enqueue(requests)
         n = payload["n"]
         job = _Job(requests, payload["prompts"], n, payload["echo"], payload["logprobs"], payload["arrival"])
+        job.echo_only = payload.get("echo_only", False)
         job.live.update(range(len(requests)))
         self._jobs[uid] = job
         for choice, request in enumerate(requests):
@@ -200,12 +202,15 @@ class EngineAPI(ls.LitAPI):
 
     def _message(self, job: _Job, choice: int, output) -> dict | None:
         request = job.requests[choice]
-        message = {"event": "delta", "index": choice, "text": output.text or ""}
-        if job.logprobs:
+        message = {"event": "delta", "index": choice, "text": "" if job.echo_only else output.text or ""}
+        if job.logprobs and not job.echo_only:
             message["logprobs"] = self._texts.entries(output.token_ids, output.logprobs, output.top_logprobs)
         if output.finished:
             job.live.discard(choice)
-            message.update(finish_reason=output.finish_reason, completion_tokens=len(request.output_ids))
+            if job.echo_only:  # as asked: max_tokens 0 ends at its length
+                message.update(finish_reason="length", completion_tokens=0)
+            else:
+                message.update(finish_reason=output.finish_reason, completion_tokens=len(request.output_ids))
         if job.echo and choice not in job.echoed:  # the prompt first (its logprobs are known by now)
             job.echoed.add(choice)
             message["echo"] = self._texts.echo(job.prompts[choice // job.n], request, job.logprobs)
