@@ -235,3 +235,93 @@ def test_engine_loop_idles_on_an_event_and_routes_events():
     loop._send(Transport(), [("a", {}, False), ("a", {}, True), ("unknown", {}, True)])
     assert sent == [(3, "a", LitAPIStatus.OK), (3, "a", LitAPIStatus.FINISH_STREAMING)]
     assert loop.response_queue_ids == {}
+
+
+# -- races found by reading (issue: the server under real traffic) ----------------------------------
+def test_accepted_is_sent_before_the_first_token_even_when_a_step_overtakes_the_admission():
+    """admit releases the engine lock before its "accepted" is sent; a step run in that gap has the
+    request's first token. The loop's order lock holds the step's messages until the admission's are out."""
+    import threading
+
+    from thunder_batch.serve.loop import EngineLoop
+
+    api, loop, sent = tiny_api(), EngineLoop(), []
+    admit, step = api.admit, api.step
+    admitted, stepped = threading.Event(), threading.Event()
+
+    def slow_to_return(prepared):  # the engine lock is released; the thread is not scheduled back yet
+        events = admit(prepared)
+        admitted.set()
+        stepped.wait(1.0)  # a step that may run now does (without the order lock it would)
+        return events
+
+    def step_once_admitted():
+        events = step() if admitted.is_set() else []
+        if events:
+            stepped.set()
+        return events
+
+    api.admit, api.step = slow_to_return, step_once_admitted
+
+    class Queue:  # LitServe's request queue with one request on it
+        items = [(0, "u" * 32, time.monotonic(), payload([1, 2, 3], params=greedy(1)))]  # one token: one delta
+
+        def get(self, block=True, timeout=None):
+            import queue
+
+            if not self.items:
+                raise queue.Empty
+            return self.items.pop()
+
+    class Transport:
+        def send(self, item, consumer_id):
+            sent.append(item[1][0].get("event"))
+
+    async def both():
+        intake = asyncio.ensure_future(loop._intake(api, Queue(), Transport()))
+        while not admitted.is_set():
+            await asyncio.sleep(0.01)
+        await loop.run(api, "cpu", 0, None, Transport(), {}, None)  # the step runs inside the gap
+        await intake
+
+    asyncio.run(both())
+    assert sent[:3] == ["claimed", "accepted", "delta"], sent
+
+
+def test_a_cancel_posted_while_a_worker_reads_the_board_is_not_lost():
+    """A post that reuses an entry between a reader's copies of the states and the uids: the reader must
+    not pair the entry's old uid with the new post (claiming the old uid would drop the new cancel)."""
+    board = CancelBoard(1)
+    old, new = "a" * 32, "b" * 32
+    board.post(old)
+    assert board.claim([old]) == [old]  # entry 0 is free again; its bytes still hold `old`
+
+    class PostWhileCopied:  # the uids copied, then another process posts `new` into entry 0
+        def __init__(self, raw):
+            self.raw, self.fired = raw, False
+
+        def __bytes__(self):
+            copy = bytes(self.raw)
+            if not self.fired:
+                self.fired = True
+                board._uids = self.raw
+                board.post(new)
+            return copy
+
+    board._uids = PostWhileCopied(board._uids)
+    board._seen = (-1, {})  # a worker that has not read the board since
+    assert board.claim({old}) == []  # the finished `old` (a worker clears late cancels of its finished uids)
+    assert board.claim([new]) == [new]
+
+
+def test_an_http_process_that_died_leaves_no_count_behind():
+    import multiprocessing as mp
+
+    state = SharedState(1, 2)
+    state.add_in_flight(0, 1)
+    child = mp.get_context("fork").Process(target=state.add_in_flight, args=(1, 3))
+    child.start()
+    child.join()
+    assert state.in_flight() == 1  # the child counted 3 and died without finishing them
+    state.add_in_flight(1, 2)  # a new process in that row starts from zero
+    assert state.in_flight() == 3

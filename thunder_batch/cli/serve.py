@@ -23,7 +23,7 @@ def serve(
     workers_per_device: int = 1,
     max_body_bytes: int = 1_000_000,
     max_waiting: int | None = None,
-    request_timeout: float | None = None,
+    request_timeout: float = 600.0,
     drain_timeout: float = 30.0,
     log_level: Literal["debug", "info", "warning", "error"] = "info",
     **options,
@@ -45,9 +45,10 @@ def serve(
         workers_per_device: Engines per device, each a worker process with its own B slots.
         max_body_bytes: Largest request body accepted; larger ones get 413.
         max_waiting: Requests each worker may hold beyond its B slots; past (B + max_waiting) x workers
-            requests in flight the server answers 429 with Retry-After. Default: 2 x batch_size per worker.
+            requests in flight the server answers 429 with Retry-After. Default: no bound (requests
+            wait for a slot, each at most the request timeout), as vLLM and llama-server.
         request_timeout: Seconds a request may wait and run; then it ends (504, or an error event in a
-            stream) and frees its slot. Default: no timeout.
+            stream) and frees its slot. 0: no timeout.
         drain_timeout: Seconds SIGTERM waits for requests in flight before stopping.
         log_level: LitServe and uvicorn log level.
     """

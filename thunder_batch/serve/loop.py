@@ -32,12 +32,20 @@ class EngineLoop(ContinuousBatchingLoop):
         super().__init__()
         self._wake: asyncio.Event | None = None
         self._stepped: asyncio.Event | None = None
+        self._order: asyncio.Lock | None = None
         self._probed_at = 0.0
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
         if self._wake is None:  # created on the worker's own event loop
-            self._wake, self._stepped = asyncio.Event(), asyncio.Event()
+            self._wake, self._stepped, self._order = asyncio.Event(), asyncio.Event(), asyncio.Lock()
         return self._wake, self._stepped
+
+    @property
+    def order(self) -> asyncio.Lock:
+        """Held from an admission or a step until its messages are sent: a request's "accepted" leaves
+        before its first token (both are made under the engine lock, but sent after it is released)."""
+        self._events()
+        return self._order
 
     # -- intake -----------------------------------------------------------------------------------
     async def schedule_task(self, lit_api, lit_spec, request_queue, transport) -> None:
@@ -69,7 +77,8 @@ class EngineLoop(ContinuousBatchingLoop):
             self.response_queue_ids[uid] = queue_id
             self.put_response(transport, queue_id, uid, claimed, LitAPIStatus.OK, LoopResponseType.STREAMING)
         prepared = await asyncio.to_thread(lit_api.prepare, [(uid, payload) for _, uid, _, payload in items])
-        self._send(transport, await asyncio.to_thread(lit_api.admit, prepared))
+        async with self.order:
+            self._send(transport, await asyncio.to_thread(lit_api.admit, prepared))
         wake.set()
 
     def _take_requests(self, request_queue, room: int) -> list:
@@ -95,14 +104,15 @@ class EngineLoop(ContinuousBatchingLoop):
                 await asyncio.wait_for(wake.wait(), IDLE_WAIT_S)
             wake.clear()
             return
-        try:
-            events = await asyncio.to_thread(lit_api.step)
-            lit_api.step_failed(False)
-        except Exception:
-            logger.exception("engine step failed; failing the requests in flight")
-            lit_api.step_failed(True)
-            events = lit_api.fail_all()
-        self._send(transport, events)
+        async with self.order:
+            try:
+                events = await asyncio.to_thread(lit_api.step)
+                lit_api.step_failed(False)
+            except Exception:
+                logger.exception("engine step failed; failing the requests in flight")
+                lit_api.step_failed(True)
+                events = lit_api.fail_all()
+            self._send(transport, events)
         stepped.set()
 
     async def _probe_if_sick(self, lit_api) -> None:

@@ -43,7 +43,7 @@ def build_server(
 ) -> tuple[ls.LitServer, SharedState]:
     """A LitServer with the OpenAI routes over one EngineAPI, and the state its processes share.
     `options`: EngineOptions with a resolved checkpoint_dir; max_waiting: requests each worker may
-    hold beyond its slots (None: 2 x batch_size)."""
+    hold beyond its slots (None: no bound, they wait up to the request timeout)."""
     batch_size = options.engine_config().batch_size
     model = Path(options.checkpoint_dir).name
     routes = OpenAIRoutes(ServeSettings(model), None, None)
@@ -58,7 +58,6 @@ def build_server(
     )
     workers = len(server.devices) * workers_per_device  # LitServe starts one HTTP process per worker
     state, board = SharedState(workers, workers), CancelBoard()
-    max_waiting = 2 * batch_size if max_waiting is None else max_waiting
     routes.settings = ServeSettings(model, batch_size, max_waiting, workers, max_body_bytes, request_timeout)
     routes.state = api.state = state
     routes.board = api.board = board

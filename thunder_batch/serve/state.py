@@ -2,7 +2,8 @@
 
 - per inference worker: its pid, whether its engine is ready, consecutive failed steps, whether it
   lost LitServe's request queue, and its running / waiting counts (for /health and /metrics);
-- per HTTP process: the requests (choices) it accepted and has not finished (backpressure, drain);
+- per HTTP process: its pid and the requests (choices) it accepted and has not finished (backpressure,
+  drain); the count of a process that died is not counted;
 - per worker: its engine counters as JSON (what /stats shows, without a round trip to a busy worker);
 - whether the server is draining.
 Made in the main process before any child starts: the spawned workers receive it pickled with the
@@ -51,6 +52,7 @@ class SharedState:
         self.workers, self.http_processes = workers, http_processes
         self._rows = mp.RawArray("q", workers * len(_FIELDS))
         self._in_flight = mp.RawArray("q", http_processes)
+        self._http_pids = mp.RawArray("q", http_processes)  # the process counting in each row
         self._draining = mp.RawValue("b", 0)
         self._stats = mp.RawArray("c", workers * _STATS_BYTES)
         self._stats_seq = mp.RawArray("q", workers)  # odd while its writer is writing
@@ -100,11 +102,15 @@ class SharedState:
 
     # -- HTTP processes (each writes its own count) ----------------------------------------------
     def add_in_flight(self, http_index: int, n: int) -> None:
+        pid = os.getpid()
+        if self._http_pids[http_index] != pid:  # a new process in this row: what a dead one left is not ours
+            self._http_pids[http_index], self._in_flight[http_index] = pid, 0
         self._in_flight[http_index] += n
 
     def in_flight(self) -> int:
-        """Choices accepted by every HTTP process and not yet finished."""
-        return sum(self._in_flight)
+        """Choices accepted by every live HTTP process and not yet finished (a dead one's count is gone with it)."""
+        rows = zip(self._in_flight, self._http_pids)
+        return sum(count for count, pid in rows if count and (pid == os.getpid() or process_alive(pid)))
 
     # -- draining (the main process writes it) ---------------------------------------------------
     @property
