@@ -1,4 +1,4 @@
-"""OpenAI-compatible request parsing for `thunder-batch serve` (response bodies: `shape`).
+"""OpenAI-compatible request parsing for `thunder-batch serve` (response bodies: `responses`).
 
 Pure Python (imports no torch, no web framework). The HTTP side parses a request here, once, into
 the prompts and a validated SamplingParams before it reaches the inference worker; the worker reports

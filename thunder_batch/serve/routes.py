@@ -1,7 +1,7 @@
 """The HTTP side of `thunder-batch serve`: OpenAI routes as a LitServe spec, admission and errors.
 
 Runs in LitServe's API server processes. Requests are parsed by `openai` and answers shaped by
-`shape`; `calls.Call` moves them between HTTP and the inference workers. A request is admitted only
+`responses`; `calls.Call` moves them between HTTP and the inference workers. A request is admitted only
 while the server is not draining (else 503) and, with `--max_waiting` set, while the requests in
 flight over every HTTP process leave room for its choices (else 429 with Retry-After): nothing is
 tokenized before that. Without it, requests wait (as in vLLM and llama-server) until the request timeout.
@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from thunder_batch.serve.calls import Call, ClientGone
 from thunder_batch.serve.openai import CHAT, COMPLETION, APIError, Job, Limits, parse_request
-from thunder_batch.serve.shape import SSE_DONE, Choice, Shaper, models_list, sse, usage
+from thunder_batch.serve.responses import SSE_DONE, Choice, ResponseBuilder, models_list, sse, usage
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
@@ -118,13 +118,13 @@ class OpenAIRoutes(LitSpec):
         streaming = False
         try:
             accepted = await call.next()  # the worker's verdict: accepted, or a 4xx
-            shaper = Shaper(kind, call.uid, self.model, job.logprobs)
+            bodies = ResponseBuilder(kind, call.uid, self.model, job.logprobs)
             if job.stream:
                 streaming = True  # from here the response owns the call, and listens for the disconnect
                 call.unwatch()
-                body = self._stream(call, job, shaper, accepted["prompt_tokens"], start, request)
+                body = self._stream(call, job, bodies, accepted["prompt_tokens"], start, request)
                 return _ClosingStream(body, call.close)
-            return await self._collect(call, job, shaper, accepted["prompt_tokens"], start, request)
+            return await self._collect(call, job, bodies, accepted["prompt_tokens"], start, request)
         except APIError as e:
             self._failed(e, request, call)
             return error_response(e)
@@ -147,28 +147,30 @@ class OpenAIRoutes(LitSpec):
                 code="server_overloaded",
             )
 
-    async def _collect(self, call: Call, job: Job, shaper: Shaper, prompt_tokens: int, start, request) -> Response:
+    async def _collect(
+        self, call: Call, job: Job, bodies: ResponseBuilder, prompt_tokens: int, start, request
+    ) -> Response:
         choices = [Choice(i) for i in range(job.choices)]
         while not call.done:
             message = await call.next()
             choices[message["index"]].add(message)
         used = usage(prompt_tokens, sum(c.completion_tokens for c in choices))
         self._finished([c.finish_reason for c in choices], start)
-        return JSONResponse(shaper.full(choices, used))
+        return JSONResponse(bodies.full(choices, used))
 
-    async def _stream(self, call: Call, job: Job, shaper: Shaper, prompt_tokens: int, start, request):
+    async def _stream(self, call: Call, job: Job, bodies: ResponseBuilder, prompt_tokens: int, start, request):
         choices = [Choice(i) for i in range(job.choices)]
         try:
             if job.kind == CHAT:
                 for choice in choices:
-                    yield sse(shaper.chunk(choice, role=True))
+                    yield sse(bodies.chunk(choice, role=True))
             while not call.done:
                 message = await call.next()
                 choice = choices[message["index"]]
                 choice.add(message)
-                yield sse(shaper.chunk(choice, message))
+                yield sse(bodies.chunk(choice, message))
             if job.include_usage:
-                yield sse(shaper.usage_chunk(usage(prompt_tokens, sum(c.completion_tokens for c in choices))))
+                yield sse(bodies.usage_chunk(usage(prompt_tokens, sum(c.completion_tokens for c in choices))))
             yield SSE_DONE
             self._finished([c.finish_reason for c in choices], start)
         except APIError as e:  # the status line is long gone: an error event, then the end of the stream

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class TokenTexts:
-    """Each token's own text, decoded once per id, and the entries `shape` turns into OpenAI logprobs:
+    """Each token's own text, decoded once per id, and the entries `responses` turns into OpenAI logprobs:
     [text, logprob, [[text, logprob], ...]] per token."""
 
     def __init__(self, tokenizer) -> None:
