@@ -29,9 +29,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, log_path: Path, checkpoint: Path, *args: str, compile: str = "eager"):
+    def __init__(self, log_path: Path, checkpoint: Path, *args: str, compile: str = "eager", host: str | None = None):
+        """host: passed as --host (the default binds 127.0.0.1); the URL names it ([::1] for IPv6)."""
         self.port, self.log_path = free_port(), log_path
-        self.url = f"http://127.0.0.1:{self.port}"
+        name = host or "127.0.0.1"
+        self.url = f"http://[{name}]:{self.port}" if ":" in name else f"http://{name}:{self.port}"
+        args = (*args, "--host", host) if host else args
         cmd = [
             sys.executable,
             "-m",
@@ -59,7 +62,7 @@ class Server:
             if self.proc.poll() is not None:
                 pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2).text == "ok":  # every worker is up
                     return
             time.sleep(0.5)
         self.stop()
@@ -104,9 +107,9 @@ class Server:
         return stats
 
     def wait_healthy(self, timeout: float = 120) -> float:
-        """Seconds until /health answers 200 again."""
+        """Seconds until /health answers "ok" again (every worker serving)."""
         start = time.monotonic()
-        while self.health().status_code != 200:
+        while self.health().text != "ok":
             assert time.monotonic() - start < timeout, self.health().text
             time.sleep(0.2)
         return time.monotonic() - start

@@ -17,6 +17,7 @@ trap 'kill -TERM $SERVER; wait $SERVER' EXIT
 until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do sleep 1; done
 $LMEVAL --model local-completions --include_path benchmarks/lmeval --tasks mc40 \
   --model_args "model=SmolLM2-135M-Instruct,base_url=http://127.0.0.1:$PORT/v1/completions,tokenizer=$OUT/hf,tokenized_requests=False,num_concurrent=8,max_retries=1" \
-  --output_path "$OUT/server" 2>&1 | tee "$OUT/server.txt" | grep -E "^\|"
+  --output_path "$OUT/server" --log_samples 2>&1 | tee "$OUT/server.txt" | grep -E "^\|"
 $LMEVAL --model hf --include_path benchmarks/lmeval --tasks mc40 --device cpu \
-  --model_args "pretrained=$OUT/hf,dtype=float32" --output_path "$OUT/hf-run" 2>&1 | tee "$OUT/hf.txt" | grep -E "^\|"
+  --model_args "pretrained=$OUT/hf,dtype=float32" --output_path "$OUT/hf-run" --log_samples 2>&1 | tee "$OUT/hf.txt" | grep -E "^\|"
+$PY benchmarks/lmeval/compare_samples.py "$OUT/server" "$OUT/hf-run"

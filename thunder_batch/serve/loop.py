@@ -21,8 +21,14 @@ from contextlib import suppress
 from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop
 from litserve.utils import LitAPIStatus, LoopResponseType
 
+from thunder_batch.serve.state import HEARTBEAT_S
+
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 1.0  # an idle worker looks at its queue this often; a new request wakes it at once
+# A blocking get on LitServe's queue runs in its manager process: a get still pending there when this
+# worker stops (SIGSTOP, a deadlock) hands the next request to a process that never claims it. Short
+# gets keep that window short (a request arriving within TAKE_WAIT_S of the freeze waits for its timeout).
+TAKE_WAIT_S = 0.1
 FULL_WAIT_S = 0.05  # a worker without room looks again this often (or when a step ends)
 PROBE_S = 5.0  # an unhealthy, idle worker tries an empty step this often
 
@@ -33,6 +39,7 @@ class EngineLoop(ContinuousBatchingLoop):
         self._wake: asyncio.Event | None = None
         self._stepped: asyncio.Event | None = None
         self._order: asyncio.Lock | None = None
+        self._heart: asyncio.Task | None = None
         self._probed_at = 0.0
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
@@ -82,8 +89,8 @@ class EngineLoop(ContinuousBatchingLoop):
         wake.set()
 
     def _take_requests(self, request_queue, room: int) -> list:
-        """Block up to IDLE_WAIT_S for one request, then take others already queued while there is room."""
-        items, item = [], self.get_request(request_queue, timeout=IDLE_WAIT_S)
+        """Block up to TAKE_WAIT_S for one request, then take others already queued while there is room."""
+        items, item = [], self.get_request(request_queue, timeout=TAKE_WAIT_S)
         while item is not None:
             if len(item) == 4 and item[1] is not None:  # not LitServe's shutdown sentinel
                 items.append(item)
@@ -98,6 +105,8 @@ class EngineLoop(ContinuousBatchingLoop):
         self, lit_api, device, worker_id, request_queue, transport, workers_setup_status, callback_runner
     ) -> None:
         wake, stepped = self._events()
+        if self._heart is None:
+            self._heart = asyncio.ensure_future(self._beat(lit_api))
         if not lit_api.has_active_requests():
             await self._probe_if_sick(lit_api)
             with suppress(asyncio.TimeoutError):
@@ -114,6 +123,12 @@ class EngineLoop(ContinuousBatchingLoop):
                 events = lit_api.fail_all()
             self._send(transport, events)
         stepped.set()
+
+    async def _beat(self, lit_api) -> None:
+        """The heartbeat: this event loop is alive (a stopped or deadlocked worker stops beating and is restarted)."""
+        while True:
+            lit_api.state.beat(lit_api.index)
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def _probe_if_sick(self, lit_api) -> None:
         status = lit_api.state.worker(lit_api.index)

@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import time
 from dataclasses import dataclass
 
 UNHEALTHY_AFTER_FAILED_STEPS = 3
-_FIELDS = ("pid", "ready", "failed_steps", "queue_lost", "running", "waiting")
+_FIELDS = ("pid", "ready", "failed_steps", "queue_lost", "running", "waiting", "beat_ms")
+HEARTBEAT_S = 1.0  # a ready worker's event loop writes beat_ms this often
 _STATS_BYTES = 1 << 16  # room for one worker's counters as JSON
 
 
@@ -31,15 +33,22 @@ class WorkerStatus:
     queue_lost: bool
     running: int
     waiting: int
+    beat_ms: int = 0  # time.monotonic() in ms of its event loop's last heartbeat
 
     @property
     def alive(self) -> bool:
         return self.pid > 0 and process_alive(self.pid)
 
-    def problem(self) -> str | None:
-        """Why this worker cannot serve now, or None."""
+    def silent_s(self) -> float:
+        """Seconds since a ready worker's last heartbeat (0 before it is ready)."""
+        return max(time.monotonic() - self.beat_ms / 1000, 0.0) if self.ready and self.beat_ms else 0.0
+
+    def problem(self, stuck_after_s: float | None = None) -> str | None:
+        """Why this worker cannot serve now, or None. stuck_after_s: heartbeat silence that makes it stuck."""
         if not self.ready or not self.alive:
             return f"worker {self.index} is starting (or restarting after it stopped)"
+        if stuck_after_s is not None and self.silent_s() > stuck_after_s:
+            return f"worker {self.index} is stuck: no heartbeat for {self.silent_s():.0f} s (it is being restarted)"
         if self.failed_steps >= UNHEALTHY_AFTER_FAILED_STEPS:
             return f"worker {self.index}: its last {self.failed_steps} steps failed"
         if self.queue_lost:
@@ -48,12 +57,14 @@ class WorkerStatus:
 
 
 class SharedState:
-    def __init__(self, workers: int, http_processes: int) -> None:
-        self.workers, self.http_processes = workers, http_processes
+    def __init__(self, workers: int, http_processes: int, worker_timeout: float | None = None) -> None:
+        """worker_timeout: heartbeat silence (seconds) after which a ready worker counts as stuck (None: never)."""
+        self.workers, self.http_processes, self.worker_timeout = workers, http_processes, worker_timeout
         self._rows = mp.RawArray("q", workers * len(_FIELDS))
         self._in_flight = mp.RawArray("q", http_processes)
         self._http_pids = mp.RawArray("q", http_processes)  # the process counting in each row
         self._draining = mp.RawValue("b", 0)
+        self._stopping = mp.RawValue("b", 0)
         self._stats = mp.RawArray("c", workers * _STATS_BYTES)
         self._stats_seq = mp.RawArray("q", workers)  # odd while its writer is writing
 
@@ -73,7 +84,11 @@ class SharedState:
             bool(values["queue_lost"]),
             values["running"],
             values["waiting"],
+            values["beat_ms"],
         )
+
+    def beat(self, index: int) -> None:
+        self._rows[index * len(_FIELDS) + _FIELDS.index("beat_ms")] = int(time.monotonic() * 1000)
 
     def all_workers(self) -> list[WorkerStatus]:
         return [self.worker(i) for i in range(self.workers)]
@@ -119,6 +134,14 @@ class SharedState:
 
     def start_draining(self) -> None:
         self._draining.value = 1
+
+    # -- stopping: after the drain; until then every child ignores SIGTERM (the main process drains) --
+    @property
+    def stopping(self) -> bool:
+        return bool(self._stopping.value)
+
+    def start_stopping(self) -> None:
+        self._stopping.value = 1
 
 
 def process_alive(pid: int) -> bool:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections import OrderedDict
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 import litserve as ls
@@ -67,6 +69,8 @@ class EngineAPI(ls.LitAPI):
 
     def setup(self, device) -> None:
         self.index = int(os.environ.get("LITSERVE_WORKER_ID", "0"))
+        with suppress(ValueError):  # SIGTERM waits for the main process's drain (not the main thread: no handler)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         fields = dict(ready=0, failed_steps=0, queue_lost=0, running=0, waiting=0)
         self.state.set_worker(self.index, pid=os.getpid(), **fields)
         engine = self.options.load_engine(device)
@@ -84,7 +88,13 @@ class EngineAPI(ls.LitAPI):
         self._compiles, self._published_at = (0, 0), 0.0
         self._time_steps(engine.runner)
         self._report()
+        self.state.beat(self.index)
         self.state.set_worker(self.index, pid=os.getpid(), ready=1)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.state.stopping:  # the drain is over: nothing in flight is lost
+            os._exit(0)
+        logger.info("worker %d: SIGTERM before the drain is over; the main process drains first", self.index)
 
     def has_active_requests(self) -> bool:
         return bool(self._jobs)
