@@ -130,6 +130,19 @@ def test_logprob_messages_carry_each_token_and_its_alternatives():
     assert echo["logprobs"][0][1] is None and all(isinstance(e[1], float) for e in echo["logprobs"][1:])
 
 
+def test_a_completion_ended_by_a_stop_token_lists_it_in_its_logprobs_as_openai_does():
+    """The EOS (a stop token id) leaves the text and the token count, but a scorer reads its logprob
+    (lm-eval's loglikelihood takes every entry but the last, made by max_tokens 1)."""
+    api = tiny_api()
+    add(api, [("a", payload([5, 6, 7], params=greedy(1, logprobs=1), logprobs=True))])
+    [[first]] = [m["logprobs"] for m in run_all(api)["a"]]
+    stop_id = int(first[0].strip("<>"))
+    add(api, [("b", payload([5, 6, 7], params=greedy(1, logprobs=1, stop_token_ids=[stop_id]), logprobs=True))])
+    [message] = run_all(api)["b"]
+    assert (message["finish_reason"], message["completion_tokens"], message["text"]) == ("stop", 0, "")
+    assert message["logprobs"] == [first]
+
+
 def test_cancels_before_admission_and_while_running():
     board = CancelBoard(64)
     api = tiny_api(board=board)

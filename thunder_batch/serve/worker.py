@@ -215,6 +215,8 @@ class EngineAPI(ls.LitAPI):
         message = {"event": "delta", "index": choice, "text": "" if job.echo_only else output.text or ""}
         if job.logprobs and not job.echo_only:
             message["logprobs"] = self._texts.entries(output.token_ids, output.logprobs, output.top_logprobs)
+            if request.stop_token and not is_chat(job.prompts[choice // job.n]):  # OpenAI/vLLM list the EOS
+                message["logprobs"] += self._texts.entries(*([x] for x in request.stop_token))
         if output.finished:
             job.live.discard(choice)
             if job.echo_only:  # as asked: max_tokens 0 ends at its length
