@@ -163,6 +163,7 @@ class EngineAPI(ls.LitAPI):
             return
         self._published_at = now
         stats = self.engine.stats()
+        self._record_compiles(stats)
         batch_size = self.engine.config.batch_size
         stats.update(batch_size=batch_size, free_slots=batch_size - stats["running"], requests=len(self._jobs))
         self.state.publish(self.index, stats)
@@ -259,7 +260,6 @@ class EngineAPI(ls.LitAPI):
     def _report(self) -> None:
         scheduler = self.engine.scheduler
         self.state.set_worker(self.index, running=scheduler.num_running(), waiting=len(scheduler.waiting))
-        self._record_compiles()
         self._publish()
 
     def _time_token(self, job: _Job, choice: int, now: float) -> None:
@@ -270,10 +270,8 @@ class EngineAPI(ls.LitAPI):
             self.metrics.labels(self.metrics.itl).observe(now - last)
         job.last_token[choice] = now
 
-    def _record_compiles(self) -> None:
-        from thunder_batch.compile.step import program_stats  # here: the HTTP processes never load torch
-
-        stats = program_stats(self.engine.runner.step_fn)
+    def _record_compiles(self, stats: dict) -> None:
+        """The pieces loaded and traced since the last publication, as metrics (from Engine.stats)."""
         loaded, traced = stats["disk_cache_hits"], stats["traced"]
         if (loaded, traced) != self._compiles:
             self.metrics.labels(self.metrics.compile_cache_hits).inc(loaded - self._compiles[0])
