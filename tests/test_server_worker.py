@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 
 import pytest
 
 from thunder_batch.config import SamplingParams, choice_seed
 from thunder_batch.serve.cancels import CancelBoard
 from thunder_batch.serve.server import health_problems
-from thunder_batch.serve.state import SharedState, process_alive
+from thunder_batch.serve.state import MESSAGES_UID, SharedState, process_alive
 
 from helpers import tiny_gpt
 
@@ -242,12 +243,21 @@ def test_engine_loop_idles_on_an_event_and_routes_events():
 
     class Transport:
         def send(self, item, consumer_id):
-            sent.append((consumer_id, item[0], item[1][1]))
+            sent.append((consumer_id, item[0], item[1][0]))
 
-    loop.response_queue_ids = {"a": 3}
-    loop._send(Transport(), [("a", {}, False), ("a", {}, True), ("unknown", {}, True)])
-    assert sent == [(3, "a", LitAPIStatus.OK), (3, "a", LitAPIStatus.FINISH_STREAMING)]
-    assert loop.response_queue_ids == {}
+    loop.response_queue_ids = {"a": 3, "b": 3, "c": 1}
+    loop._send(Transport(), [("a", {}, False), ("a", {}, True), ("unknown", {}, True), ("c", {"x": 1}, False)])
+    a = [("a", {}, LitAPIStatus.OK), ("a", {}, LitAPIStatus.FINISH_STREAMING)]
+    assert sent == [(3, MESSAGES_UID, a), (1, MESSAGES_UID, [("c", {"x": 1}, LitAPIStatus.OK)])]  # one per process
+    assert loop.response_queue_ids == {"b": 3, "c": 1}
+
+    from litserve.utils import ResponseBufferItem
+
+    from thunder_batch.serve.calls import Messages
+
+    buffer = {"a": ResponseBufferItem(asyncio.Event(), deque())}
+    Messages(buffer).append((a + [("gone", {}, LitAPIStatus.OK)], LitAPIStatus.OK))
+    assert list(buffer["a"].response_queue) == [({}, LitAPIStatus.OK), ({}, LitAPIStatus.FINISH_STREAMING)]
 
 
 # -- races found by reading (issue: the server under real traffic) ----------------------------------
@@ -288,11 +298,12 @@ def test_accepted_is_sent_before_the_first_token_even_when_a_step_overtakes_the_
 
     class Transport:
         def send(self, item, consumer_id):
-            sent.append(item[1][0].get("event"))
+            sent.extend(message.get("event") for _, message, _ in item[1][0])  # a batch of (uid, message, status)
 
     async def both():
         intake = asyncio.ensure_future(loop._intake(api, Queue(), Transport()))
         while not admitted.is_set():
+            assert not intake.done(), intake.exception()
             await asyncio.sleep(0.01)
         await loop.run(api, "cpu", 0, None, Transport(), {}, None)  # the step runs inside the gap
         await intake

@@ -16,12 +16,28 @@ from fastapi import Request
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 
 from thunder_batch.serve.openai import APIError
+from thunder_batch.serve.state import MESSAGES_UID
 
 POLL_S = 1.0  # how often a waiting request checks its worker and its deadline
 
 
 class ClientGone(Exception):
     pass
+
+
+class Messages:
+    """Where LitServe puts a worker's batch of messages (uid MESSAGES_UID): each to its own request."""
+
+    def __init__(self, buffer: dict) -> None:
+        self.buffer = buffer
+
+    def append(self, response: tuple) -> None:
+        batch, _ = response
+        for uid, message, status in batch:
+            item = self.buffer.get(uid)
+            if item is not None:  # a request that closed meanwhile has no reader
+                item.response_queue.append((message, status))
+                item.event.set()
 
 
 class Call:
@@ -35,6 +51,8 @@ class Call:
         self.deadline = self.started + timeout if timeout else None
         self.checked_at = self.started
         self.item = ResponseBufferItem(event=asyncio.Event(), response_queue=deque())
+        if MESSAGES_UID not in routes.response_buffer:  # before the first message for this process can come
+            routes.response_buffer[MESSAGES_UID] = ResponseBufferItem(asyncio.Event(), Messages(routes.response_buffer))
         routes.response_buffer[self.uid] = self.item
         routes.state.add_in_flight(routes.http_index, choices)
         try:

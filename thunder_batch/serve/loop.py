@@ -21,7 +21,7 @@ from contextlib import suppress
 from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop
 from litserve.utils import LitAPIStatus, LoopResponseType
 
-from thunder_batch.serve.state import HEARTBEAT_S
+from thunder_batch.serve.state import HEARTBEAT_S, MESSAGES_UID
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 1.0  # an idle worker looks at its queue this often; a new request wakes it at once
@@ -82,7 +82,7 @@ class EngineLoop(ContinuousBatchingLoop):
         claimed = {"event": "claimed", "worker": lit_api.index, "pid": os.getpid()}
         for queue_id, uid, _, _ in items:
             self.response_queue_ids[uid] = queue_id
-            self.put_response(transport, queue_id, uid, claimed, LitAPIStatus.OK, LoopResponseType.STREAMING)
+        self._send(transport, [(uid, claimed, False) for _, uid, _, _ in items])
         prepared = await asyncio.to_thread(lit_api.prepare, [(uid, payload) for _, uid, _, payload in items])
         async with self.order:
             self._send(transport, await asyncio.to_thread(lit_api.admit, prepared))
@@ -144,14 +144,18 @@ class EngineLoop(ContinuousBatchingLoop):
             lit_api.step_failed(True)
 
     def _send(self, transport, events: list) -> None:
+        """Each HTTP process gets this send's messages as one batch: [(uid, message, status), ...]."""
+        batches: dict[int, list] = {}
         for uid, message, finished in events:
             queue_id = self.response_queue_ids.get(uid)
             if queue_id is None:
                 continue
             status = LitAPIStatus.FINISH_STREAMING if finished else LitAPIStatus.OK
-            self.put_response(transport, queue_id, uid, message, status, LoopResponseType.STREAMING)
+            batches.setdefault(queue_id, []).append((uid, message, status))
             if finished:
                 del self.response_queue_ids[uid]
+        for queue_id, batch in batches.items():
+            self.put_response(transport, queue_id, MESSAGES_UID, batch, LitAPIStatus.OK, LoopResponseType.STREAMING)
 
 
 def _choices(payload: dict) -> int:

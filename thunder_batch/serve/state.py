@@ -19,6 +19,9 @@ import time
 from dataclasses import dataclass
 
 UNHEALTHY_AFTER_FAILED_STEPS = 3
+# A worker sends its messages for one HTTP process as one batch under this uid (one round trip through
+# LitServe's queue per step, not one per token); the HTTP process hands each to its request.
+MESSAGES_UID = "thunder-batch:messages"
 _FIELDS = ("pid", "ready", "failed_steps", "queue_lost", "running", "waiting", "beat_ms")
 HEARTBEAT_S = 1.0  # a ready worker's event loop writes beat_ms this often
 _STATS_BYTES = 1 << 16  # room for one worker's counters as JSON
