@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,9 +29,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, log_path: Path, checkpoint: Path, *args: str, compile: str = "eager"):
+    def __init__(self, log_path: Path, checkpoint: Path, *args: str, compile: str = "eager", host: str | None = None):
+        """host: passed as --host (the default binds 127.0.0.1); the URL names it ([::1] for IPv6)."""
         self.port, self.log_path = free_port(), log_path
-        self.url = f"http://127.0.0.1:{self.port}"
+        name = host or "127.0.0.1"
+        self.url = f"http://[{name}]:{self.port}" if ":" in name else f"http://{name}:{self.port}"
+        args = (*args, "--host", host) if host else args
         cmd = [
             sys.executable,
             "-m",
@@ -58,7 +62,7 @@ class Server:
             if self.proc.poll() is not None:
                 pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2).text == "ok":  # every worker is up
                     return
             time.sleep(0.5)
         self.stop()
@@ -103,9 +107,9 @@ class Server:
         return stats
 
     def wait_healthy(self, timeout: float = 120) -> float:
-        """Seconds until /health answers 200 again."""
+        """Seconds until /health answers "ok" again (every worker serving)."""
         start = time.monotonic()
-        while self.health().status_code != 200:
+        while self.health().text != "ok":
             assert time.monotonic() - start < timeout, self.health().text
             time.sleep(0.2)
         return time.monotonic() - start
@@ -113,3 +117,22 @@ class Server:
     def family(self) -> list[psutil.Process]:
         main = psutil.Process(self.proc.pid)
         return [main, *main.children(recursive=True)]
+
+
+def cut_checkpoint(source: Path, root: Path, n_layer: int = 2) -> Path:
+    """`source`'s embeddings, first `n_layer` blocks, final norm and tokenizer, in root/<source's name> (litgpt
+    picks the tokenizer's BOS handling and the chat template from that name)."""
+    import torch
+    from litgpt import Config
+    from litgpt.utils import save_config
+
+    out = root / source.name
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, out / name)
+    save_config(Config.from_file(source / "model_config.yaml", n_layer=n_layer), out)
+    state = torch.load(source / "lit_model.pth", mmap=True, weights_only=True)
+    blocks = {str(i) for i in range(n_layer)}
+    keep = {k: v.clone() for k, v in state.items() if not k.startswith("transformer.h.") or k.split(".")[2] in blocks}
+    torch.save(keep, out / "lit_model.pth")
+    return out

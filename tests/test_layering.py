@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "thunder_batch"
 LAYERS = [
     (
         "pure Python",
-        ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat", "fallbacks"],
+        ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]
+        + ["fallbacks", "text_encoding"],
     ),
     (
         "torch",
@@ -29,7 +30,15 @@ LAYERS = [
     ("front ends", ["serve", "bench"]),
     ("commands", ["cli"]),
 ]
-PURE_NO_TORCH = ["config", "request", "stops", "scheduler", "versions", "fallbacks"]  # DESIGN: pure Python, no torch
+PURE_NO_TORCH = [  # DESIGN: pure Python, no torch
+    "config",
+    "request",
+    "stops",
+    "scheduler",
+    "versions",
+    "fallbacks",
+    "text_encoding",
+]
 
 
 def _module_name(path: Path) -> str:

@@ -39,11 +39,11 @@ def engine(checkpoint):
 
 def test_greedy_parity_with_litgpt_one_prompt_at_a_time(engine, checkpoint):
     gpt, tokenizer, _ = load_checkpoint(checkpoint)
-    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, ignore_eos=True))
-    for prompt, result in zip(PROMPTS, results):
-        ids = tokenizer.encode(prompt).tolist()
+    prompts = [tokenizer.encode(prompt).tolist() for prompt in PROMPTS]  # the same token ids for both
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    for ids, result in zip(prompts, results):
         assert result.prompt_ids == ids
-        assert result.token_ids == litgpt_greedy(gpt, ids, 10), prompt
+        assert result.token_ids == litgpt_greedy(gpt, ids, 10), ids
     assert results[0].text.startswith(" Paris")
 
 

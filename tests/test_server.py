@@ -299,20 +299,21 @@ def test_logprobs_equal_log_softmax_of_the_eager_model(server, offline, logits_o
     client, prompt = server.client(), "The capital of France is"
     [want] = offline([prompt], 4)
     reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=3, echo=True)
-    choice, ids = reply.choices[0], want.prompt_ids + want.token_ids  # ids[0]: the BOS the tokenizer added
+    choice, ids = reply.choices[0], want.prompt_ids + want.token_ids  # the text's own tokens: no BOS added
     assert choice.text == prompt + want.text and reply.usage.total_tokens == len(ids)
     full = logits_oracle(ids)  # [T, V]
-    lp = choice.logprobs  # one entry per token after the BOS: each scored given all before it
+    lp = choice.logprobs  # one entry per token, each scored given all before it; the first has nothing before it
     assert "".join(lp.tokens) == choice.text and lp.text_offset == [
-        len("".join(lp.tokens[:i])) for i in range(len(ids) - 1)
+        len("".join(lp.tokens[:i])) for i in range(len(ids))
     ]
+    assert (lp.token_logprobs[0], lp.top_logprobs[0]) == (None, None)
     want_lp = full[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(lp.token_logprobs), want_lp, atol=1e-3)
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), want_lp, atol=1e-3)
     best = full[:-1].topk(3, dim=-1)
     decode = logits_oracle.tokenizer.processor.decode
     for t, (alts, values) in enumerate(zip(best.indices.tolist(), best.values.tolist())):
         expect = {decode([i], skip_special_tokens=False): v for i, v in zip(alts, values)}
-        got = lp.top_logprobs[t]  # the 3 alternatives and the token itself
+        got = lp.top_logprobs[t + 1]  # the 3 alternatives and the token itself
         assert set(expect) <= set(got) and all(abs(got[k] - v) < 1e-3 for k, v in expect.items()), t
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]

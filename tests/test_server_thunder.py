@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from live_server import KEY, ROOT, Server
+from live_server import KEY, ROOT, Server, cut_checkpoint
 
 ENGINE = dict(batch_size=4, max_seq_length=64, prefill_chunk=8)
 PROMPTS = [
@@ -40,24 +39,9 @@ MAX_TOKENS = 8
 def two_layer_checkpoint(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct's embeddings, first two blocks, final norm and tokenizer, in a dir of the
     same name (litgpt picks the tokenizer's BOS handling and the chat template from that name)."""
-    import torch
-    from litgpt import Config
-    from litgpt.utils import save_config
-
     from thunder_batch.checkpoints import default_checkpoint_dir
 
-    source = default_checkpoint_dir(ROOT / "checkpoints")
-    out = tmp_path_factory.mktemp("ckpt") / source.name
-    out.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, out / name)
-    save_config(Config.from_file(source / "model_config.yaml", n_layer=2), out)
-    state = torch.load(source / "lit_model.pth", mmap=True, weights_only=True)
-    keep = {
-        k: v.clone() for k, v in state.items() if not k.startswith("transformer.h.") or k.split(".")[2] in ("0", "1")
-    }
-    torch.save(keep, out / "lit_model.pth")
-    return out
+    return cut_checkpoint(default_checkpoint_dir(ROOT / "checkpoints"), tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(scope="module")
@@ -216,10 +200,12 @@ def test_a_killed_worker_is_replaced_and_its_requests_get_a_503(two_layer_checkp
         victim = next(w for w in server.stats()["workers"] if w["running"])
         os.kill(victim["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 10  # LitServe's monitor notices within ~2 s
-        while server.health().status_code == 200:
+        while server.health().text == "ok":
             assert time.monotonic() < deadline, "/health must say a worker is gone"
             time.sleep(0.1)
-        assert "worker %d" % victim["index"] in server.health().text
+        health = server.health()  # the other worker serves: degraded, still 200 for a load balancer
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        assert "worker %d" % victim["index"] in health.text
         server.wait_healthy(timeout=120)  # the replacement has loaded the model
         for t in threads:
             t.join(90)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 
 import pytest
 
 from thunder_batch.config import SamplingParams, choice_seed
 from thunder_batch.serve.cancels import CancelBoard
 from thunder_batch.serve.server import health_problems
-from thunder_batch.serve.state import SharedState, process_alive
+from thunder_batch.serve.state import MESSAGES_UID, SharedState, process_alive
 
 from helpers import tiny_gpt
 
@@ -130,6 +131,19 @@ def test_logprob_messages_carry_each_token_and_its_alternatives():
     assert echo["logprobs"][0][1] is None and all(isinstance(e[1], float) for e in echo["logprobs"][1:])
 
 
+def test_a_completion_ended_by_a_stop_token_lists_it_in_its_logprobs_as_openai_does():
+    """The EOS (a stop token id) leaves the text and the token count, but a scorer reads its logprob
+    (lm-eval's loglikelihood takes every entry but the last, made by max_tokens 1)."""
+    api = tiny_api()
+    add(api, [("a", payload([5, 6, 7], params=greedy(1, logprobs=1), logprobs=True))])
+    [[first]] = [m["logprobs"] for m in run_all(api)["a"]]
+    stop_id = int(first[0].strip("<>"))
+    add(api, [("b", payload([5, 6, 7], params=greedy(1, logprobs=1, stop_token_ids=[stop_id]), logprobs=True))])
+    [message] = run_all(api)["b"]
+    assert (message["finish_reason"], message["completion_tokens"], message["text"]) == ("stop", 0, "")
+    assert message["logprobs"] == [first]
+
+
 def test_cancels_before_admission_and_while_running():
     board = CancelBoard(64)
     api = tiny_api(board=board)
@@ -229,9 +243,109 @@ def test_engine_loop_idles_on_an_event_and_routes_events():
 
     class Transport:
         def send(self, item, consumer_id):
-            sent.append((consumer_id, item[0], item[1][1]))
+            sent.append((consumer_id, item[0], item[1][0]))
 
-    loop.response_queue_ids = {"a": 3}
-    loop._send(Transport(), [("a", {}, False), ("a", {}, True), ("unknown", {}, True)])
-    assert sent == [(3, "a", LitAPIStatus.OK), (3, "a", LitAPIStatus.FINISH_STREAMING)]
-    assert loop.response_queue_ids == {}
+    loop.response_queue_ids = {"a": 3, "b": 3, "c": 1}
+    loop._send(Transport(), [("a", {}, False), ("a", {}, True), ("unknown", {}, True), ("c", {"x": 1}, False)])
+    a = [("a", {}, LitAPIStatus.OK), ("a", {}, LitAPIStatus.FINISH_STREAMING)]
+    assert sent == [(3, MESSAGES_UID, a), (1, MESSAGES_UID, [("c", {"x": 1}, LitAPIStatus.OK)])]  # one per process
+    assert loop.response_queue_ids == {"b": 3, "c": 1}
+
+    from litserve.utils import ResponseBufferItem
+
+    from thunder_batch.serve.calls import Messages
+
+    buffer = {"a": ResponseBufferItem(asyncio.Event(), deque())}
+    Messages(buffer).append((a + [("gone", {}, LitAPIStatus.OK)], LitAPIStatus.OK))
+    assert list(buffer["a"].response_queue) == [({}, LitAPIStatus.OK), ({}, LitAPIStatus.FINISH_STREAMING)]
+
+
+# -- races found by reading (issue: the server under real traffic) ----------------------------------
+def test_accepted_is_sent_before_the_first_token_even_when_a_step_overtakes_the_admission():
+    """admit releases the engine lock before its "accepted" is sent; a step run in that gap has the
+    request's first token. The loop's order lock holds the step's messages until the admission's are out."""
+    import threading
+
+    from thunder_batch.serve.loop import EngineLoop
+
+    api, loop, sent = tiny_api(), EngineLoop(), []
+    admit, step = api.admit, api.step
+    admitted, stepped = threading.Event(), threading.Event()
+
+    def slow_to_return(prepared):  # the engine lock is released; the thread is not scheduled back yet
+        events = admit(prepared)
+        admitted.set()
+        stepped.wait(1.0)  # a step that may run now does (without the order lock it would)
+        return events
+
+    def step_once_admitted():
+        events = step() if admitted.is_set() else []
+        if events:
+            stepped.set()
+        return events
+
+    api.admit, api.step = slow_to_return, step_once_admitted
+
+    class Queue:  # LitServe's request queue with one request on it
+        items = [(0, "u" * 32, time.monotonic(), payload([1, 2, 3], params=greedy(1)))]  # one token: one delta
+
+        def get(self, block=True, timeout=None):
+            import queue
+
+            if not self.items:
+                raise queue.Empty
+            return self.items.pop()
+
+    class Transport:
+        def send(self, item, consumer_id):
+            sent.extend(message.get("event") for _, message, _ in item[1][0])  # a batch of (uid, message, status)
+
+    async def both():
+        intake = asyncio.ensure_future(loop._intake(api, Queue(), Transport()))
+        while not admitted.is_set():
+            assert not intake.done(), intake.exception()
+            await asyncio.sleep(0.01)
+        await loop.run(api, "cpu", 0, None, Transport(), {}, None)  # the step runs inside the gap
+        await intake
+
+    asyncio.run(both())
+    assert sent[:3] == ["claimed", "accepted", "delta"], sent
+
+
+def test_a_cancel_posted_while_a_worker_reads_the_board_is_not_lost():
+    """A post that reuses an entry between a reader's copies of the states and the uids: the reader must
+    not pair the entry's old uid with the new post (claiming the old uid would drop the new cancel)."""
+    board = CancelBoard(1)
+    old, new = "a" * 32, "b" * 32
+    board.post(old)
+    assert board.claim([old]) == [old]  # entry 0 is free again; its bytes still hold `old`
+
+    class PostWhileCopied:  # the uids copied, then another process posts `new` into entry 0
+        def __init__(self, raw):
+            self.raw, self.fired = raw, False
+
+        def __bytes__(self):
+            copy = bytes(self.raw)
+            if not self.fired:
+                self.fired = True
+                board._uids = self.raw
+                board.post(new)
+            return copy
+
+    board._uids = PostWhileCopied(board._uids)
+    board._seen = (-1, {})  # a worker that has not read the board since
+    assert board.claim({old}) == []  # the finished `old` (a worker clears late cancels of its finished uids)
+    assert board.claim([new]) == [new]
+
+
+def test_an_http_process_that_died_leaves_no_count_behind():
+    import multiprocessing as mp
+
+    state = SharedState(1, 2)
+    state.add_in_flight(0, 1)
+    child = mp.get_context("fork").Process(target=state.add_in_flight, args=(1, 3))
+    child.start()
+    child.join()
+    assert state.in_flight() == 1  # the child counted 3 and died without finishing them
+    state.add_in_flight(1, 2)  # a new process in that row starts from zero
+    assert state.in_flight() == 3

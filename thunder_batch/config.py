@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 from thunder_batch.stops import normalize_stop
@@ -12,6 +11,10 @@ COMPILE_MODES = ("thunder", "eager")
 TRACE_MODES = ("layers", "step")
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # top alternatives per token a step can return (OpenAI's top_logprobs limit)
+MAX_INT64 = 2**63 - 1  # integers the step's int64 tensors hold (top_k above the vocabulary is "off")
+MAX_TEMPERATURE = 100.0  # past this the logits are flat in float32 anyway
+MAX_STOPS = 64  # stop strings and stop token sequences per request
+MAX_STOP_LENGTH = 4096  # characters of a stop string, tokens of a stop sequence
 _MASK64 = 2**64 - 1
 
 
@@ -67,9 +70,24 @@ def _as_tuple(value):
     return tuple(value) if isinstance(value, list) else value
 
 
-def _require_int(name: str, value, minimum: int) -> None:
-    if not is_int(value) or value < minimum:
-        raise ParamError(name, f"{name} must be an int >= {minimum}, got {value!r}")
+def _require_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        most = "" if maximum is None else f" and <= {maximum}"
+        raise ParamError(name, f"{name} must be an int >= {minimum}{most}, got {_short(value)}")
+
+
+def _short(value) -> str:
+    """repr of a value, cut for a message (a 400-digit number stays readable)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
+
+
+def _check_stops(strings: tuple, sequences: tuple) -> None:
+    if len(strings) + len(sequences) > MAX_STOPS:
+        raise ParamError("stop", f"at most {MAX_STOPS} stops per request, got {len(strings) + len(sequences)}")
+    longest = max([len(s) for s in strings] + [len(s) for s in sequences], default=0)
+    if longest > MAX_STOP_LENGTH:
+        raise ParamError("stop", f"a stop may be at most {MAX_STOP_LENGTH} characters (or tokens) long, got {longest}")
 
 
 @dataclass(frozen=True)
@@ -225,16 +243,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None:
-            _require_int("max_new_tokens", self.max_new_tokens, 1)
-        if (
-            isinstance(self.temperature, bool)
-            or not isinstance(self.temperature, (int, float))
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
-        ):
-            raise ParamError("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            _require_int("max_new_tokens", self.max_new_tokens, 1, MAX_INT64)
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise ParamError("temperature", f"temperature must be a number, got {_short(temperature)}")
+        if not 0 <= temperature <= MAX_TEMPERATURE:  # compared as Python numbers: a huge int is no overflow
+            message = f"temperature must be a finite number >= 0 and <= {MAX_TEMPERATURE:g}, got {_short(temperature)}"
+            raise ParamError("temperature", message)
         if self.top_k is not None:
-            _require_int("top_k", self.top_k, 0)
+            _require_int("top_k", self.top_k, 0, MAX_INT64)
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
@@ -251,6 +268,7 @@ class SamplingParams:
             strings, sequences = normalize_stop(self.stop)
         except ValueError as e:
             raise ParamError("stop", str(e)) from None
+        _check_stops(strings, sequences)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop_strings", strings)
         object.__setattr__(self, "stop_sequences", sequences)

@@ -13,6 +13,7 @@ from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParam
 from thunder_batch.request import GenerationResult, Request, StepOutput
 from thunder_batch.runner import Runner
 from thunder_batch.scheduler import Scheduler
+from thunder_batch.text_encoding import text_encoder
 
 
 class Engine:
@@ -94,8 +95,10 @@ class Engine:
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt: a str or chat messages (both need a tokenizer), or a non-empty list
-        of ids in the vocabulary."""
-        if is_chat(prompt):
+        of ids in the vocabulary. Text is encoded as Hugging Face's tokenizer for the checkpoint does
+        (text_encoding); chat messages through litgpt's prompt style and tokenizer, as before."""
+        chat = is_chat(prompt)
+        if chat:
             if self.tokenizer is None:
                 raise ValueError("chat messages need a tokenizer")
             prompt = apply_chat(self.prompt_style, prompt)
@@ -106,7 +109,8 @@ class Engine:
                 raise ValueError("prompt is empty")
             self._check_text_length(prompt)
             try:
-                return [int(t) for t in self.tokenizer.encode(prompt).tolist()]
+                ids = self.tokenizer.encode(prompt).tolist() if chat else text_encoder(self.tokenizer).encode(prompt)
+                return [int(t) for t in ids]
             except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
                 raise ValueError(f"the tokenizer cannot encode this prompt: {e}") from e
         if not isinstance(prompt, (list, tuple)) or not all(is_int(t) for t in prompt):

@@ -69,6 +69,7 @@ class Request:
         self.num_cached = 0  # tokens of prompt + output already written to the slot's KV cache
         self.slot: int | None = None
         self.finish_reason: str | None = None
+        self.stop_token: tuple | None = None  # (id, logprob, top) of the stop token (EOS) that ended it
         self.text = "" if detokenizer is not None else None
         self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
         sequences = params.stop_sequences
@@ -98,7 +99,8 @@ class Request:
         if self.params.logprobs is not None:
             self.top_logprobs.append(list(top or [])[: self.params.logprobs])
         held = 0
-        if token_id in self._stop_ids:
+        if token_id in self._stop_ids:  # kept aside: a scorer (OpenAI's completions logprobs) reports it
+            self.stop_token = (token_id, logprob, list(top or [])[: self.params.logprobs or 0])
             self._drop_last(1)
             self.finish_reason = STOP
         elif self._stop_state is not None:

@@ -141,13 +141,14 @@ class StopStringHolder:
     (as a token-by-token generator would see it); among stops ending at the same character the
     longest wins. The result is therefore the same however the text is split into deltas.
     Only the text before the stop is returned; the stop and anything after it never are.
+    Each stop is matched by Knuth-Morris-Pratt over the characters as they come: memory linear in
+    the stops' length (no set of every prefix), amortized constant work per character and stop.
     """
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(dict.fromkeys(_stop_string(s) for s in stops))
-        # Every proper prefix of every stop: the suffixes of the text worth holding back.
-        self._prefixes = {s[:i] for s in self.stops for i in range(1, len(s))}
-        self._max_hold = max((len(s) - 1 for s in self.stops), default=0)
+        self._fail = [_failure(s) for s in self.stops]
+        self._matched = [0] * len(self.stops)  # per stop: its longest prefix the text ends with
         self._held = ""
         self.stopped = False
 
@@ -156,31 +157,37 @@ class StopStringHolder:
         if self.stopped:
             return "", True
         buf = self._held + delta
-        start = self._first_stop(buf)
-        if start is not None:
-            self._held, self.stopped = "", True
-            return buf[:start], True
-        hold = self._hold_len(buf)
+        base = len(self._held)
+        for i, ch in enumerate(delta):
+            done = [len(s) for k, s in enumerate(self.stops) if self._feed(k, ch) == len(s)]
+            if done:  # the first stop to end; the longest of those ending here
+                self._held, self.stopped = "", True
+                return buf[: base + i + 1 - max(done)], True
+        hold = max(self._matched, default=0)
         self._held = buf[len(buf) - hold :]
         return buf[: len(buf) - hold], False
+
+    def _feed(self, k: int, ch: str) -> int:
+        stop, fail, matched = self.stops[k], self._fail[k], self._matched[k]
+        while matched and stop[matched] != ch:
+            matched = fail[matched - 1]
+        matched += stop[matched] == ch
+        self._matched[k] = matched
+        return matched
 
     def flush(self) -> str:
         """At finish without a stop: release the held-back text (it never became a stop)."""
         out, self._held = self._held, ""
+        self._matched = [0] * len(self.stops)
         return out
 
-    def _first_stop(self, buf: str) -> int | None:
-        """Where in buf the stop that ends first starts (the longest among those ending together)."""
-        # Earlier pushes found no complete stop, so any stop in buf ends inside the new delta.
-        best: tuple[int, int] | None = None  # (end, start)
-        for s in self.stops:
-            i = buf.find(s)
-            if i >= 0 and (best is None or (i + len(s), i) < best):
-                best = (i + len(s), i)
-        return None if best is None else best[1]
 
-    def _hold_len(self, buf: str) -> int:
-        for k in range(min(len(buf), self._max_hold), 0, -1):
-            if buf[-k:] in self._prefixes:
-                return k
-        return 0
+def _failure(stop: str) -> list[int]:
+    """KMP's table: fail[i] = length of the longest proper prefix of stop[: i + 1] that is also its suffix."""
+    fail, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        k += stop[i] == stop[k]
+        fail[i] = k
+    return fail

@@ -23,8 +23,9 @@ def serve(
     workers_per_device: int = 1,
     max_body_bytes: int = 1_000_000,
     max_waiting: int | None = None,
-    request_timeout: float | None = None,
+    request_timeout: float = 600.0,
     drain_timeout: float = 30.0,
+    worker_timeout: float = 30.0,
     log_level: Literal["debug", "info", "warning", "error"] = "info",
     **options,
 ) -> None:
@@ -36,7 +37,8 @@ def serve(
     from the compile cache). SIGTERM drains (new requests get 503) and then stops; Ctrl+C stops at once.
 
     Args:
-        host: Interface to bind: 127.0.0.1 (this machine only), 0.0.0.0 or :: (all interfaces).
+        host: Interface to bind: 127.0.0.1, ::1 or localhost (this machine only), 0.0.0.0 or :: (all
+            interfaces), or one interface's address (IPv4 or IPv6).
         port: TCP port.
         api_key: Require "Authorization: Bearer <key>" on every route but /health. Default:
             $THUNDER_BATCH_API_KEY (keeps the key out of the process list); unset: no key.
@@ -45,17 +47,25 @@ def serve(
         workers_per_device: Engines per device, each a worker process with its own B slots.
         max_body_bytes: Largest request body accepted; larger ones get 413.
         max_waiting: Requests each worker may hold beyond its B slots; past (B + max_waiting) x workers
-            requests in flight the server answers 429 with Retry-After. Default: 2 x batch_size per worker.
+            requests in flight the server answers 429 with Retry-After. Default: no bound (requests
+            wait for a slot, each at most the request timeout), as vLLM and llama-server.
         request_timeout: Seconds a request may wait and run; then it ends (504, or an error event in a
-            stream) and frees its slot. Default: no timeout.
-        drain_timeout: Seconds SIGTERM waits for requests in flight before stopping.
+            stream) and frees its slot. 0: no timeout.
+        drain_timeout: Seconds SIGTERM waits for requests in flight before stopping (SIGTERM to the main
+            process or to its whole process group; the other processes wait for the main one).
+        worker_timeout: Seconds without a heartbeat from a ready worker's event loop (stopped, deadlocked)
+            before it is killed and restarted; its requests get 503. 0: never.
         log_level: LitServe and uvicorn log level.
     """
     from thunder_batch.checkpoints import default_checkpoint_dir, validate_checkpoint_dir
 
     engine_options = EngineOptions(**options)
     engine_options.engine_config()  # a bad value fails here, not in every worker
-    for name, value in [("max_waiting", max_waiting), ("request_timeout", request_timeout)]:
+    for name, value in [
+        ("max_waiting", max_waiting),
+        ("request_timeout", request_timeout),
+        ("worker_timeout", worker_timeout),
+    ]:
         if value is not None and value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     checkpoint_dir = engine_options.checkpoint_dir
@@ -79,6 +89,7 @@ def serve(
             max_body_bytes=max_body_bytes,
             max_waiting=max_waiting,
             request_timeout=request_timeout or None,
+            worker_timeout=worker_timeout or None,
         )
         run_server(server, host, port, log_level, state, drain_timeout)
     finally:

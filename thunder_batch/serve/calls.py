@@ -1,6 +1,8 @@
 """One request in flight, seen from an HTTP process: submitted to LitServe's queue, read message by
 message, cancelled if abandoned. It counts towards the server's in-flight requests from submission to
-close, knows which worker took it (a 503 if that worker dies), and enforces the request timeout."""
+close: when its answer is handed over, when it fails, and as soon as its client's disconnect arrives
+(`watch`: the ASGI disconnect message itself, not a poll, so a client that retries at once is not
+counted twice). It knows which worker took it (a 503 if that worker dies) and enforces the request timeout."""
 
 from __future__ import annotations
 
@@ -14,12 +16,28 @@ from fastapi import Request
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 
 from thunder_batch.serve.openai import APIError
+from thunder_batch.serve.state import MESSAGES_UID
 
-POLL_S = 1.0  # how often a waiting request checks its client, its worker and its deadline
+POLL_S = 1.0  # how often a waiting request checks its worker and its deadline
 
 
 class ClientGone(Exception):
     pass
+
+
+class Messages:
+    """Where LitServe puts a worker's batch of messages (uid MESSAGES_UID): each to its own request."""
+
+    def __init__(self, buffer: dict) -> None:
+        self.buffer = buffer
+
+    def append(self, response: tuple) -> None:
+        batch, _ = response
+        for uid, message, status in batch:
+            item = self.buffer.get(uid)
+            if item is not None:  # a request that closed meanwhile has no reader
+                item.response_queue.append((message, status))
+                item.event.set()
 
 
 class Call:
@@ -27,11 +45,14 @@ class Call:
         """routes: the OpenAIRoutes of this HTTP process; choices: what it counts for in flight."""
         self.routes, self.uid, self.choices = routes, uuid.uuid4().hex, choices
         self.done, self.closed, self.owner = False, False, None  # owner: (worker index, pid) once claimed
+        self.gone, self._watcher = False, None  # gone: its client disconnected
         timeout = routes.settings.request_timeout
         self.started = time.monotonic()
         self.deadline = self.started + timeout if timeout else None
         self.checked_at = self.started
         self.item = ResponseBufferItem(event=asyncio.Event(), response_queue=deque())
+        if MESSAGES_UID not in routes.response_buffer:  # before the first message for this process can come
+            routes.response_buffer[MESSAGES_UID] = ResponseBufferItem(asyncio.Event(), Messages(routes.response_buffer))
         routes.response_buffer[self.uid] = self.item
         routes.state.add_in_flight(routes.http_index, choices)
         try:
@@ -41,12 +62,31 @@ class Call:
             self.close()
             raise APIError(503, "LitServe's request queue is unreachable; see /health", code="queue_lost") from None
 
-    async def next(self, request: Request | None = None) -> dict:
+    def watch(self, request: Request) -> None:
+        """Close this call as soon as `request`'s client disconnects. Only while nothing else reads the
+        ASGI messages: a streaming response listens for the disconnect itself (`unwatch` first)."""
+        self._watcher = asyncio.ensure_future(self._watch(request))
+
+    async def _watch(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self.close()
+        self.item.event.set()
+
+    def unwatch(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    async def next(self) -> dict:
         """The worker's next message; raises APIError for an error (504 past the deadline, 503 if the
-        worker died), ClientGone if `request`'s client left (checked every POLL_S)."""
+        worker died), ClientGone if the client left (see `watch`)."""
         queue, event = self.item.response_queue, self.item.event
         while True:
-            await self._check(request)
+            if self.gone:
+                raise ClientGone
+            self._check()
             if queue:
                 message, status = queue.popleft()
                 if status == LitAPIStatus.ERROR:
@@ -69,7 +109,7 @@ class Call:
             return POLL_S
         return max(min(POLL_S, self.deadline - time.monotonic()), 0.001)
 
-    async def _check(self, request: Request | None) -> None:
+    def _check(self) -> None:
         now = time.monotonic()
         if self.deadline is not None and now >= self.deadline:
             timeout = self.routes.settings.request_timeout
@@ -81,8 +121,6 @@ class Call:
             self.done = True  # nothing left to cancel
             message = "the inference worker serving this request stopped; it is being restarted, retry"
             raise APIError(503, message, code="worker_died")
-        if request is not None and await request.is_disconnected():
-            raise ClientGone
 
     def _owner_alive(self) -> bool:
         index, pid = self.owner
@@ -94,6 +132,8 @@ class Call:
         if self.closed:
             return
         self.closed = True
+        if self._watcher is not None and not self.gone:
+            self.unwatch()
         self.routes.state.add_in_flight(self.routes.http_index, -self.choices)
         self.routes.response_buffer.pop(self.uid, None)
         if not self.done:

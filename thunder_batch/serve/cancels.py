@@ -61,8 +61,12 @@ class CancelBoard:
         """uid -> entry for every posted cancel (this process's snapshot, refreshed on change)."""
         version = self._version.value
         if version != self._seen[0]:
+            # States before uids: a post writes its uid before it marks the entry POSTED, so an entry seen
+            # POSTED here has its uid in place. (Uids first could pair a reused entry's old uid with the new
+            # post's POSTED, and claiming that old uid would drop the new cancel.)
+            states = bytes(self._state)
             raw = bytes(self._uids)
-            live = {raw[i * _UID : (i + 1) * _UID].hex(): i for i, s in enumerate(bytes(self._state)) if s == POSTED}
+            live = {raw[i * _UID : (i + 1) * _UID].hex(): i for i, s in enumerate(states) if s == POSTED}
             self._seen = (version, live)
         return self._seen[1]
 

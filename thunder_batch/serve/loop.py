@@ -21,8 +21,14 @@ from contextlib import suppress
 from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop
 from litserve.utils import LitAPIStatus, LoopResponseType
 
+from thunder_batch.serve.state import HEARTBEAT_S, MESSAGES_UID
+
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 1.0  # an idle worker looks at its queue this often; a new request wakes it at once
+# A blocking get on LitServe's queue runs in its manager process: a get still pending there when this
+# worker stops (SIGSTOP, a deadlock) hands the next request to a process that never claims it. Short
+# gets keep that window short (a request arriving within TAKE_WAIT_S of the freeze waits for its timeout).
+TAKE_WAIT_S = 0.1
 FULL_WAIT_S = 0.05  # a worker without room looks again this often (or when a step ends)
 PROBE_S = 5.0  # an unhealthy, idle worker tries an empty step this often
 
@@ -32,12 +38,21 @@ class EngineLoop(ContinuousBatchingLoop):
         super().__init__()
         self._wake: asyncio.Event | None = None
         self._stepped: asyncio.Event | None = None
+        self._order: asyncio.Lock | None = None
+        self._heart: asyncio.Task | None = None
         self._probed_at = 0.0
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
         if self._wake is None:  # created on the worker's own event loop
-            self._wake, self._stepped = asyncio.Event(), asyncio.Event()
+            self._wake, self._stepped, self._order = asyncio.Event(), asyncio.Event(), asyncio.Lock()
         return self._wake, self._stepped
+
+    @property
+    def order(self) -> asyncio.Lock:
+        """Held from an admission or a step until its messages are sent: a request's "accepted" leaves
+        before its first token (both are made under the engine lock, but sent after it is released)."""
+        self._events()
+        return self._order
 
     # -- intake -----------------------------------------------------------------------------------
     async def schedule_task(self, lit_api, lit_spec, request_queue, transport) -> None:
@@ -67,14 +82,15 @@ class EngineLoop(ContinuousBatchingLoop):
         claimed = {"event": "claimed", "worker": lit_api.index, "pid": os.getpid()}
         for queue_id, uid, _, _ in items:
             self.response_queue_ids[uid] = queue_id
-            self.put_response(transport, queue_id, uid, claimed, LitAPIStatus.OK, LoopResponseType.STREAMING)
+        self._send(transport, [(uid, claimed, False) for _, uid, _, _ in items])
         prepared = await asyncio.to_thread(lit_api.prepare, [(uid, payload) for _, uid, _, payload in items])
-        self._send(transport, await asyncio.to_thread(lit_api.admit, prepared))
+        async with self.order:
+            self._send(transport, await asyncio.to_thread(lit_api.admit, prepared))
         wake.set()
 
     def _take_requests(self, request_queue, room: int) -> list:
-        """Block up to IDLE_WAIT_S for one request, then take others already queued while there is room."""
-        items, item = [], self.get_request(request_queue, timeout=IDLE_WAIT_S)
+        """Block up to TAKE_WAIT_S for one request, then take others already queued while there is room."""
+        items, item = [], self.get_request(request_queue, timeout=TAKE_WAIT_S)
         while item is not None:
             if len(item) == 4 and item[1] is not None:  # not LitServe's shutdown sentinel
                 items.append(item)
@@ -89,21 +105,30 @@ class EngineLoop(ContinuousBatchingLoop):
         self, lit_api, device, worker_id, request_queue, transport, workers_setup_status, callback_runner
     ) -> None:
         wake, stepped = self._events()
+        if self._heart is None:
+            self._heart = asyncio.ensure_future(self._beat(lit_api))
         if not lit_api.has_active_requests():
             await self._probe_if_sick(lit_api)
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wake.wait(), IDLE_WAIT_S)
             wake.clear()
             return
-        try:
-            events = await asyncio.to_thread(lit_api.step)
-            lit_api.step_failed(False)
-        except Exception:
-            logger.exception("engine step failed; failing the requests in flight")
-            lit_api.step_failed(True)
-            events = lit_api.fail_all()
-        self._send(transport, events)
+        async with self.order:
+            try:
+                events = await asyncio.to_thread(lit_api.step)
+                lit_api.step_failed(False)
+            except Exception:
+                logger.exception("engine step failed; failing the requests in flight")
+                lit_api.step_failed(True)
+                events = lit_api.fail_all()
+            self._send(transport, events)
         stepped.set()
+
+    async def _beat(self, lit_api) -> None:
+        """The heartbeat: this event loop is alive (a stopped or deadlocked worker stops beating and is restarted)."""
+        while True:
+            lit_api.state.beat(lit_api.index)
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def _probe_if_sick(self, lit_api) -> None:
         status = lit_api.state.worker(lit_api.index)
@@ -119,14 +144,18 @@ class EngineLoop(ContinuousBatchingLoop):
             lit_api.step_failed(True)
 
     def _send(self, transport, events: list) -> None:
+        """Each HTTP process gets this send's messages as one batch: [(uid, message, status), ...]."""
+        batches: dict[int, list] = {}
         for uid, message, finished in events:
             queue_id = self.response_queue_ids.get(uid)
             if queue_id is None:
                 continue
             status = LitAPIStatus.FINISH_STREAMING if finished else LitAPIStatus.OK
-            self.put_response(transport, queue_id, uid, message, status, LoopResponseType.STREAMING)
+            batches.setdefault(queue_id, []).append((uid, message, status))
             if finished:
                 del self.response_queue_ids[uid]
+        for queue_id, batch in batches.items():
+            self.put_response(transport, queue_id, MESSAGES_UID, batch, LitAPIStatus.OK, LoopResponseType.STREAMING)
 
 
 def _choices(payload: dict) -> int:

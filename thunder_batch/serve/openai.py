@@ -1,4 +1,4 @@
-"""OpenAI-compatible request parsing for `thunder-batch serve` (response bodies: `shape`).
+"""OpenAI-compatible request parsing for `thunder-batch serve` (response bodies: `responses`).
 
 Pure Python (imports no torch, no web framework). The HTTP side parses a request here, once, into
 the prompts and a validated SamplingParams before it reaches the inference worker; the worker reports
@@ -60,13 +60,21 @@ class Job:
     n: int = 1
     echo: bool = False  # completions: the prompt is part of the text (and its tokens of the logprobs)
     logprobs: bool = False  # shape token logprobs (params.logprobs alternatives each)
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt alone comes back (its one made token is not sent)
 
     @property
     def choices(self) -> int:
         return len(self.prompts) * self.n
 
     def payload(self) -> dict:
-        return dict(prompts=self.prompts, params=self.params, n=self.n, echo=self.echo, logprobs=self.logprobs)
+        return dict(
+            prompts=self.prompts,
+            params=self.params,
+            n=self.n,
+            echo=self.echo,
+            logprobs=self.logprobs,
+            echo_only=self.echo_only,
+        )
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,7 @@ def parse_request(body: bytes, kind: str, limits: Limits = Limits()) -> Job:
     _get(data, "model", str)  # any name is accepted: one model is served
     for name, neutral in NEUTRAL.items():
         _check_neutral(data, name, neutral)
-    echo = False
+    echo = echo_only = False
     if kind == CHAT:
         prompts = [_messages(data)]
         max_tokens = _get(data, "max_completion_tokens", int, _get(data, "max_tokens", int))
@@ -105,12 +113,14 @@ def parse_request(body: bytes, kind: str, limits: Limits = Limits()) -> Job:
         max_tokens = _get(data, "max_tokens", int, COMPLETION_DEFAULT_MAX_TOKENS)
         logprobs = _count(data, "logprobs", None)
         echo = _get(data, "echo", bool, False)
+        if echo and max_tokens == 0:  # score the prompt only (OpenAI, vLLM): one token is made, not sent
+            echo_only, max_tokens = True, 1
     stream = _get(data, "stream", bool, False)
     options = _get(data, "stream_options", dict, {})
     include_usage = stream and _get(options, "include_usage", bool, False, "stream_options.include_usage")
     n = _n(data, len(prompts), limits)
     params = _sampling(data, max_tokens, logprobs, logprobs if echo else None)
-    return Job(kind, prompts, params, stream, include_usage, n, echo, logprobs is not None)
+    return Job(kind, prompts, params, stream, include_usage, n, echo, logprobs is not None, echo_only)
 
 
 def _chat_logprobs(data: dict) -> int | None:

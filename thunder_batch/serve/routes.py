@@ -1,9 +1,10 @@
 """The HTTP side of `thunder-batch serve`: OpenAI routes as a LitServe spec, admission and errors.
 
 Runs in LitServe's API server processes. Requests are parsed by `openai` and answers shaped by
-`shape`; `calls.Call` moves them between HTTP and the inference workers. A request is admitted only
-while the server is not draining (else 503) and while the requests in flight, over every HTTP
-process, leave room for its choices (else 429 with Retry-After): nothing is tokenized before that.
+`responses`; `calls.Call` moves them between HTTP and the inference workers. A request is admitted only
+while the server is not draining (else 503) and, with `--max_waiting` set, while the requests in
+flight over every HTTP process leave room for its choices (else 429 with Retry-After): nothing is
+tokenized before that. Without it, requests wait (as in vLLM and llama-server) until the request timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from thunder_batch.serve.calls import Call, ClientGone
 from thunder_batch.serve.openai import CHAT, COMPLETION, APIError, Job, Limits, parse_request
-from thunder_batch.serve.shape import SSE_DONE, Choice, Shaper, models_list, sse, usage
+from thunder_batch.serve.responses import SSE_DONE, Choice, ResponseBuilder, models_list, sse, usage
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
@@ -29,23 +30,26 @@ RETRY_AFTER_S = 1
 @dataclass(frozen=True)
 class ServeSettings:
     """What the HTTP side needs to know: the model's name, the workers' size and the server's limits.
-    max_waiting: requests each worker may hold beyond its slots; request_timeout: seconds (None: off)."""
+    max_waiting: requests each worker may hold beyond its slots (None: no bound); request_timeout: seconds
+    (None: off)."""
 
     model: str
     batch_size: int = 8
-    max_waiting: int = 16
+    max_waiting: int | None = None
     workers: int = 1
     max_body_bytes: int = 1_000_000
     request_timeout: float | None = None
 
     @property
-    def capacity(self) -> int:
-        """Choices in flight over the whole server: every worker's slots and waiting room."""
-        return self.workers * (self.batch_size + self.max_waiting)
+    def capacity(self) -> int | None:
+        """Choices in flight over the whole server: every worker's slots and waiting room (None: no bound)."""
+        return None if self.max_waiting is None else self.workers * (self.batch_size + self.max_waiting)
 
     @property
     def limits(self) -> Limits:
-        return Limits(max_n=self.batch_size, max_choices=self.batch_size + self.max_waiting)
+        """One request's answers: at most a worker's slots and waiting room (slots twice without a bound)."""
+        waiting = self.batch_size if self.max_waiting is None else self.max_waiting
+        return Limits(max_n=self.batch_size, max_choices=self.batch_size + waiting)
 
 
 class OpenAIRoutes(LitSpec):
@@ -107,18 +111,20 @@ class OpenAIRoutes(LitSpec):
             self._admit(job)
             payload = dict(job.payload(), arrival=time.time(), request_id=request_id(request))
             call = Call(self, payload, job.choices)
+            call.watch(request)
         except APIError as e:
             self.metrics.labels(self.metrics.request_rejected, status=str(e.status)).inc()
             return error_response(e)
         streaming = False
         try:
-            accepted = await call.next(request)  # the worker's verdict: accepted, or a 4xx
-            shaper = Shaper(kind, call.uid, self.model, job.logprobs)
+            accepted = await call.next()  # the worker's verdict: accepted, or a 4xx
+            bodies = ResponseBuilder(kind, call.uid, self.model, job.logprobs)
             if job.stream:
-                streaming = True  # from here the response owns the call
-                body = self._stream(call, job, shaper, accepted["prompt_tokens"], start, request)
+                streaming = True  # from here the response owns the call, and listens for the disconnect
+                call.unwatch()
+                body = self._stream(call, job, bodies, accepted["prompt_tokens"], start, request)
                 return _ClosingStream(body, call.close)
-            return await self._collect(call, job, shaper, accepted["prompt_tokens"], start, request)
+            return await self._collect(call, job, bodies, accepted["prompt_tokens"], start, request)
         except APIError as e:
             self._failed(e, request, call)
             return error_response(e)
@@ -133,7 +139,7 @@ class OpenAIRoutes(LitSpec):
         if self.state.draining:
             raise APIError(503, "the server is shutting down: send this request elsewhere", code="draining")
         capacity = self.settings.capacity
-        if self.state.in_flight() + job.choices > capacity:
+        if capacity is not None and self.state.in_flight() + job.choices > capacity:
             raise APIError(
                 429,
                 f"the server is at capacity: {capacity} requests in flight ({self.settings.workers} workers x "
@@ -141,28 +147,30 @@ class OpenAIRoutes(LitSpec):
                 code="server_overloaded",
             )
 
-    async def _collect(self, call: Call, job: Job, shaper: Shaper, prompt_tokens: int, start, request) -> Response:
+    async def _collect(
+        self, call: Call, job: Job, bodies: ResponseBuilder, prompt_tokens: int, start, request
+    ) -> Response:
         choices = [Choice(i) for i in range(job.choices)]
         while not call.done:
-            message = await call.next(request)
+            message = await call.next()
             choices[message["index"]].add(message)
         used = usage(prompt_tokens, sum(c.completion_tokens for c in choices))
         self._finished([c.finish_reason for c in choices], start)
-        return JSONResponse(shaper.full(choices, used))
+        return JSONResponse(bodies.full(choices, used))
 
-    async def _stream(self, call: Call, job: Job, shaper: Shaper, prompt_tokens: int, start, request):
+    async def _stream(self, call: Call, job: Job, bodies: ResponseBuilder, prompt_tokens: int, start, request):
         choices = [Choice(i) for i in range(job.choices)]
         try:
             if job.kind == CHAT:
                 for choice in choices:
-                    yield sse(shaper.chunk(choice, role=True))
+                    yield sse(bodies.chunk(choice, role=True))
             while not call.done:
                 message = await call.next()
                 choice = choices[message["index"]]
                 choice.add(message)
-                yield sse(shaper.chunk(choice, message))
+                yield sse(bodies.chunk(choice, message))
             if job.include_usage:
-                yield sse(shaper.usage_chunk(usage(prompt_tokens, sum(c.completion_tokens for c in choices))))
+                yield sse(bodies.usage_chunk(usage(prompt_tokens, sum(c.completion_tokens for c in choices))))
             yield SSE_DONE
             self._finished([c.finish_reason for c in choices], start)
         except APIError as e:  # the status line is long gone: an error event, then the end of the stream

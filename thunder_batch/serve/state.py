@@ -2,7 +2,8 @@
 
 - per inference worker: its pid, whether its engine is ready, consecutive failed steps, whether it
   lost LitServe's request queue, and its running / waiting counts (for /health and /metrics);
-- per HTTP process: the requests (choices) it accepted and has not finished (backpressure, drain);
+- per HTTP process: its pid and the requests (choices) it accepted and has not finished (backpressure,
+  drain); the count of a process that died is not counted;
 - per worker: its engine counters as JSON (what /stats shows, without a round trip to a busy worker);
 - whether the server is draining.
 Made in the main process before any child starts: the spawned workers receive it pickled with the
@@ -14,10 +15,15 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import time
 from dataclasses import dataclass
 
 UNHEALTHY_AFTER_FAILED_STEPS = 3
-_FIELDS = ("pid", "ready", "failed_steps", "queue_lost", "running", "waiting")
+# A worker sends its messages for one HTTP process as one batch under this uid (one round trip through
+# LitServe's queue per step, not one per token); the HTTP process hands each to its request.
+MESSAGES_UID = "thunder-batch:messages"
+_FIELDS = ("pid", "ready", "failed_steps", "queue_lost", "running", "waiting", "beat_ms")
+HEARTBEAT_S = 1.0  # a ready worker's event loop writes beat_ms this often
 _STATS_BYTES = 1 << 16  # room for one worker's counters as JSON
 
 
@@ -30,15 +36,22 @@ class WorkerStatus:
     queue_lost: bool
     running: int
     waiting: int
+    beat_ms: int = 0  # time.monotonic() in ms of its event loop's last heartbeat
 
     @property
     def alive(self) -> bool:
         return self.pid > 0 and process_alive(self.pid)
 
-    def problem(self) -> str | None:
-        """Why this worker cannot serve now, or None."""
+    def silent_s(self) -> float:
+        """Seconds since a ready worker's last heartbeat (0 before it is ready)."""
+        return max(time.monotonic() - self.beat_ms / 1000, 0.0) if self.ready and self.beat_ms else 0.0
+
+    def problem(self, stuck_after_s: float | None = None) -> str | None:
+        """Why this worker cannot serve now, or None. stuck_after_s: heartbeat silence that makes it stuck."""
         if not self.ready or not self.alive:
             return f"worker {self.index} is starting (or restarting after it stopped)"
+        if stuck_after_s is not None and self.silent_s() > stuck_after_s:
+            return f"worker {self.index} is stuck: no heartbeat for {self.silent_s():.0f} s (it is being restarted)"
         if self.failed_steps >= UNHEALTHY_AFTER_FAILED_STEPS:
             return f"worker {self.index}: its last {self.failed_steps} steps failed"
         if self.queue_lost:
@@ -47,11 +60,14 @@ class WorkerStatus:
 
 
 class SharedState:
-    def __init__(self, workers: int, http_processes: int) -> None:
-        self.workers, self.http_processes = workers, http_processes
+    def __init__(self, workers: int, http_processes: int, worker_timeout: float | None = None) -> None:
+        """worker_timeout: heartbeat silence (seconds) after which a ready worker counts as stuck (None: never)."""
+        self.workers, self.http_processes, self.worker_timeout = workers, http_processes, worker_timeout
         self._rows = mp.RawArray("q", workers * len(_FIELDS))
         self._in_flight = mp.RawArray("q", http_processes)
+        self._http_pids = mp.RawArray("q", http_processes)  # the process counting in each row
         self._draining = mp.RawValue("b", 0)
+        self._stopping = mp.RawValue("b", 0)
         self._stats = mp.RawArray("c", workers * _STATS_BYTES)
         self._stats_seq = mp.RawArray("q", workers)  # odd while its writer is writing
 
@@ -71,7 +87,11 @@ class SharedState:
             bool(values["queue_lost"]),
             values["running"],
             values["waiting"],
+            values["beat_ms"],
         )
+
+    def beat(self, index: int) -> None:
+        self._rows[index * len(_FIELDS) + _FIELDS.index("beat_ms")] = int(time.monotonic() * 1000)
 
     def all_workers(self) -> list[WorkerStatus]:
         return [self.worker(i) for i in range(self.workers)]
@@ -100,11 +120,15 @@ class SharedState:
 
     # -- HTTP processes (each writes its own count) ----------------------------------------------
     def add_in_flight(self, http_index: int, n: int) -> None:
+        pid = os.getpid()
+        if self._http_pids[http_index] != pid:  # a new process in this row: what a dead one left is not ours
+            self._http_pids[http_index], self._in_flight[http_index] = pid, 0
         self._in_flight[http_index] += n
 
     def in_flight(self) -> int:
-        """Choices accepted by every HTTP process and not yet finished."""
-        return sum(self._in_flight)
+        """Choices accepted by every live HTTP process and not yet finished (a dead one's count is gone with it)."""
+        rows = zip(self._in_flight, self._http_pids)
+        return sum(count for count, pid in rows if count and (pid == os.getpid() or process_alive(pid)))
 
     # -- draining (the main process writes it) ---------------------------------------------------
     @property
@@ -113,6 +137,14 @@ class SharedState:
 
     def start_draining(self) -> None:
         self._draining.value = 1
+
+    # -- stopping: after the drain; until then every child ignores SIGTERM (the main process drains) --
+    @property
+    def stopping(self) -> bool:
+        return bool(self._stopping.value)
+
+    def start_stopping(self) -> None:
+        self._stopping.value = 1
 
 
 def process_alive(pid: int) -> bool:

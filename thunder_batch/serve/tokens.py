@@ -4,12 +4,11 @@ from __future__ import annotations
 
 
 class TokenTexts:
-    """Each token's own text, decoded once per id, and the entries `shape` turns into OpenAI logprobs:
+    """Each token's own text, decoded once per id, and the entries `responses` turns into OpenAI logprobs:
     [text, logprob, [[text, logprob], ...]] per token."""
 
     def __init__(self, tokenizer) -> None:
         self.processor = getattr(tokenizer, "processor", tokenizer)
-        self.bos_id = getattr(tokenizer, "bos_id", None)
         self._cache: dict[int, str] = {}
 
     def text(self, token_id: int) -> str:
@@ -38,13 +37,10 @@ class TokenTexts:
         return [[self.text(t), lp, [[self.text(a), alp] for a, alp in top]] for t, lp, top in zip(ids, logprobs, tops)]
 
     def echo(self, prompt, request, logprobs: bool) -> dict:
-        """The prompt as it was sent (token ids decoded) and, with logprobs, each prompt token's entry.
-        The first token has logprob None (nothing comes before it), except after a BOS the tokenizer
-        added to a text prompt: that BOS is left out, so the tokens spell the text."""
+        """The prompt as it was sent (token ids decoded) and, with logprobs, an entry for every prompt
+        token, as OpenAI and vLLM echo: the first has logprob None (nothing comes before it)."""
         echo = {"text": prompt if isinstance(prompt, str) else self.decode(request.prompt_ids)}
         if logprobs:
             ids, lps, tops = request.prompt_ids, request.prompt_logprobs, request.prompt_top_logprobs
-            entries = self.entries(ids[1:], lps[1:], tops[1:])
-            added_bos = isinstance(prompt, str) and self.bos_id is not None and ids[0] == self.bos_id
-            echo["logprobs"] = entries if added_bos else [[self.text(ids[0]), None, None], *entries]
+            echo["logprobs"] = [[self.text(ids[0]), None, None], *self.entries(ids[1:], lps[1:], tops[1:])]
         return echo

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections import OrderedDict
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 import litserve as ls
@@ -46,6 +48,7 @@ class _Job:
     echo: bool
     logprobs: bool
     arrival: float
+    echo_only: bool = False  # max_tokens 0: only the echoed prompt goes back
     live: set = field(default_factory=set)  # choices still running
     echoed: set = field(default_factory=set)  # choices whose prompt was sent back (echo)
     last_token: dict = field(default_factory=dict)  # choice -> time of its last token
@@ -66,6 +69,8 @@ class EngineAPI(ls.LitAPI):
 
     def setup(self, device) -> None:
         self.index = int(os.environ.get("LITSERVE_WORKER_ID", "0"))
+        with suppress(ValueError):  # SIGTERM waits for the main process's drain (not the main thread: no handler)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         fields = dict(ready=0, failed_steps=0, queue_lost=0, running=0, waiting=0)
         self.state.set_worker(self.index, pid=os.getpid(), **fields)
         engine = self.options.load_engine(device)
@@ -83,7 +88,13 @@ class EngineAPI(ls.LitAPI):
         self._compiles, self._published_at = (0, 0), 0.0
         self._time_steps(engine.runner)
         self._report()
+        self.state.beat(self.index)
         self.state.set_worker(self.index, pid=os.getpid(), ready=1)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.state.stopping:  # the drain is over: nothing in flight is lost
+            os._exit(0)
+        logger.info("worker %d: SIGTERM before the drain is over; the main process drains first", self.index)
 
     def has_active_requests(self) -> bool:
         return bool(self._jobs)
@@ -136,6 +147,7 @@ class EngineAPI(ls.LitAPI):
         self.engine.enqueue(requests)
         n = payload["n"]
         job = _Job(requests, payload["prompts"], n, payload["echo"], payload["logprobs"], payload["arrival"])
+        job.echo_only = payload.get("echo_only", False)
         job.live.update(range(len(requests)))
         self._jobs[uid] = job
         for choice, request in enumerate(requests):
@@ -151,6 +163,7 @@ class EngineAPI(ls.LitAPI):
             return
         self._published_at = now
         stats = self.engine.stats()
+        self._record_compiles(stats)
         batch_size = self.engine.config.batch_size
         stats.update(batch_size=batch_size, free_slots=batch_size - stats["running"], requests=len(self._jobs))
         self.state.publish(self.index, stats)
@@ -200,12 +213,17 @@ class EngineAPI(ls.LitAPI):
 
     def _message(self, job: _Job, choice: int, output) -> dict | None:
         request = job.requests[choice]
-        message = {"event": "delta", "index": choice, "text": output.text or ""}
-        if job.logprobs:
+        message = {"event": "delta", "index": choice, "text": "" if job.echo_only else output.text or ""}
+        if job.logprobs and not job.echo_only:
             message["logprobs"] = self._texts.entries(output.token_ids, output.logprobs, output.top_logprobs)
+            if request.stop_token and not is_chat(job.prompts[choice // job.n]):  # OpenAI/vLLM list the EOS
+                message["logprobs"] += self._texts.entries(*([x] for x in request.stop_token))
         if output.finished:
             job.live.discard(choice)
-            message.update(finish_reason=output.finish_reason, completion_tokens=len(request.output_ids))
+            if job.echo_only:  # as asked: max_tokens 0 ends at its length
+                message.update(finish_reason="length", completion_tokens=0)
+            else:
+                message.update(finish_reason=output.finish_reason, completion_tokens=len(request.output_ids))
         if job.echo and choice not in job.echoed:  # the prompt first (its logprobs are known by now)
             job.echoed.add(choice)
             message["echo"] = self._texts.echo(job.prompts[choice // job.n], request, job.logprobs)
@@ -243,7 +261,6 @@ class EngineAPI(ls.LitAPI):
         scheduler = self.engine.scheduler
         self.state.set_worker(self.index, running=scheduler.num_running(), waiting=len(scheduler.waiting))
         self.metrics.count_prefix_cache(scheduler.prefix_queries, scheduler.prefix_hits)
-        self._record_compiles()
         self._publish()
 
     def _time_token(self, job: _Job, choice: int, now: float) -> None:
@@ -254,10 +271,8 @@ class EngineAPI(ls.LitAPI):
             self.metrics.labels(self.metrics.itl).observe(now - last)
         job.last_token[choice] = now
 
-    def _record_compiles(self) -> None:
-        from thunder_batch.compile.step import program_stats  # here: the HTTP processes never load torch
-
-        stats = program_stats(self.engine.runner.step_fn)
+    def _record_compiles(self, stats: dict) -> None:
+        """The pieces loaded and traced since the last publication, as metrics (from Engine.stats)."""
         loaded, traced = stats["disk_cache_hits"], stats["traced"]
         if (loaded, traced) != self._compiles:
             self.metrics.labels(self.metrics.compile_cache_hits).inc(loaded - self._compiles[0])

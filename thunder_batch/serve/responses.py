@@ -35,7 +35,7 @@ class Choice:
             self.finish_reason, self.completion_tokens = message["finish_reason"], message["completion_tokens"]
 
 
-class Shaper:
+class ResponseBuilder:
     """OpenAI response objects for one request (chat.completion or text_completion)."""
 
     def __init__(self, kind: str, request_id: str, model: str, logprobs: bool = False):

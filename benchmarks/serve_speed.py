@@ -1,0 +1,111 @@
+"""The engine's speed through HTTP: C concurrent streaming chat clients (greedy, --max_tokens each) against
+an OpenAI-compatible server, and the offline engine on the same requests in this process.
+
+    python benchmarks/serve_speed.py --url http://127.0.0.1:8000 --clients 8       # any server (llama-server too)
+    python benchmarks/serve_speed.py --offline --batch_size 8 --compile thunder      # Engine.generate, same requests
+
+Each client sends one chat request at the same moment and reads its stream; reported: generated tokens
+per second over the whole run (tokens counted from each stream's usage chunk), time to first token
+(p50 and max) and inter-token latency p50. The offline run is Engine.generate on the same chats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from importlib import resources
+
+import httpx
+
+
+def chats(n: int) -> list[list[dict]]:
+    lines = resources.files("thunder_batch.data").joinpath("prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines]
+    return [[{"role": "user", "content": prompts[i % len(prompts)]}] for i in range(n)]
+
+
+def one_client(url: str, messages: list, max_tokens: int, start: threading.Event, out: list, model: str) -> None:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start.wait()
+    sent, times, tokens = time.perf_counter(), [], 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                times.append(time.perf_counter())
+    out.append((sent, times, tokens))
+
+
+def over_http(args) -> dict:
+    start, out = threading.Event(), []
+    threads = [
+        threading.Thread(target=one_client, args=(args.url, m, args.max_tokens, start, out, args.model))
+        for m in chats(args.clients)
+    ]
+    for t in threads:
+        t.start()
+    begin = time.perf_counter()
+    start.set()
+    for t in threads:
+        t.join()
+    wall = max(times[-1] for _, times, _ in out if times) - begin
+    ttft = [times[0] - sent for sent, times, _ in out if times]
+    itl = [b - a for _, times, _ in out for a, b in zip(times, times[1:])]
+    tokens = sum(n for *_, n in out)
+    return dict(
+        clients=args.clients,
+        tokens=tokens,
+        tok_per_s=round(tokens / wall, 1),
+        ttft_p50_s=round(statistics.median(ttft), 3),
+        ttft_max_s=round(max(ttft), 3),
+        itl_p50_ms=round(1000 * statistics.median(itl), 1) if itl else None,
+    )
+
+
+def offline(args) -> dict:
+    from thunder_batch import Engine, EngineConfig, SamplingParams
+
+    config = EngineConfig(batch_size=args.batch_size, max_seq_length=args.max_seq_length, compile=args.compile)
+    engine = Engine.from_checkpoint(args.checkpoint_dir, config)
+    if args.compile == "thunder":
+        engine.warmup()
+    params = SamplingParams(max_new_tokens=args.max_tokens, temperature=0)
+    engine.generate(chats(args.clients)[:1], params)  # one untimed request: first-call costs out of the way
+    begin = time.perf_counter()
+    results = engine.generate(chats(args.clients), params)
+    wall = time.perf_counter() - begin
+    tokens = sum(len(r.token_ids) for r in results)
+    return dict(clients=args.clients, tokens=tokens, tok_per_s=round(tokens / wall, 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="m")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--max_tokens", type=int, default=64)
+    parser.add_argument("--offline", action="store_true", help="Engine.generate in this process instead")
+    parser.add_argument("--checkpoint_dir", default=None)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--max_seq_length", type=int, default=1024)
+    parser.add_argument("--compile", default="thunder")
+    args = parser.parse_args()
+    print(json.dumps(offline(args) if args.offline else over_http(args)))
+
+
+if __name__ == "__main__":
+    main()
