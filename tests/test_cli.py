@@ -53,8 +53,10 @@ EXPECTED_FLAGS = {
         "prefill_chunk": "64",
         "cache_dir": "null",
         "systems": "litgpt-sequential,litgpt-batched,eager,thunder-default,thunder-torch,thunder-torchcompile,"
-        "thunder-nvfuser,hf-transformers,hf-transformers-compile",
+        "thunder-nvfuser,hf-transformers,hf-transformers-compile,llama.cpp",
         "precisions": "null",
+        "llama_cpp_bin": "null",
+        "llama_cpp_gguf": "null",
         "prefix_reuse": "True",
         "turns": "8",
     },
