@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -143,6 +144,20 @@ def test_kept_tokens_are_dropped_after_abort_reset_and_a_failed_step():
     engine.abort("x")
     assert engine.scheduler.kept == [[]] and reused_after(engine, prompt) == 0
     assert engine.generate([prompt], SamplingParams(max_new_tokens=4))[0].token_ids == litgpt_greedy(gpt, prompt, 4)
+
+
+def test_an_edit_of_the_weights_drops_every_kept_prefix():
+    """Kept entries were computed by the weights of their time: an in-place edit (or a new tensor) makes
+    the next step forget them, so the same prompt again is computed afresh and gives the new weights' tokens."""
+    gpt = tiny_gpt("llama")
+    engine, prompt = engine_for(gpt), list(range(3, 23))
+    engine.generate([prompt], SamplingParams(max_new_tokens=4))
+    with torch.no_grad():
+        gpt.transformer.h[0].attn.proj.weight.mul_(-1)  # in place: the same tensor, a new version
+    reused = engine.stats()["prompt_tokens_reused"]
+    again = engine.generate([prompt], SamplingParams(max_new_tokens=4))
+    assert engine.stats()["prompt_tokens_reused"] == reused
+    assert again[0].token_ids == litgpt_greedy(gpt, prompt, 4)
 
 
 def test_a_failed_step_undoes_its_copies_and_the_request_computes_them():

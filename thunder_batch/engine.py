@@ -159,8 +159,9 @@ class Engine:
         return True
 
     def reset_prefix_cache(self) -> None:
-        """Forget every slot's kept tokens, so no later prompt reuses cache entries computed before now
-        (call it after changing the model's weights). Running requests go on with their own entries."""
+        """Forget every slot's kept tokens, so no later prompt reuses cache entries computed before now.
+        Running requests go on with their own entries. An edit of the model's weights (in place, or a new
+        tensor) does this by itself at the next step (`Runner.weights_changed`)."""
         self.scheduler.drop_kept()
 
     def has_unfinished(self) -> bool:
@@ -169,6 +170,8 @@ class Engine:
     # -- the one primitive --------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Admit waiting requests into free slots, run one step, and return what it produced."""
+        if self.runner.weights_changed():  # kept entries were computed by other weights
+            self.reset_prefix_cache()
         plan = self.scheduler.schedule()
         if plan is None:
             return []

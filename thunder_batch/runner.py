@@ -73,10 +73,18 @@ class Runner:
         self.program = StepProgram(gpt, config.batch_size, config.max_seq_length, config.prefill_chunk)
         self.caches = list(self.program.caches)  # one SlotKVCache per layer
         self.step_fn = load_or_compile_program(self.program, config, self.probe_inputs)
+        self._weights = [(id(t), t._version) for t in gpt.parameters()]  # see weights_changed
         # A head without the top-k/top-p sort is one more small piece, but one more whole trace of
         # the model with trace="step": there, every step keeps the sort.
         whole_step = config.compile == "thunder" and config.trace == "step"
         self.head_variants = ("filtered",) if whole_step else HEADS
+
+    def weights_changed(self) -> bool:
+        """Whether any weight of the model was replaced or edited in place since the last call (the first
+        call: since the runner was built): each tensor's identity and version counter."""
+        now = [(id(t), t._version) for t in self.gpt.parameters()]
+        changed, self._weights = now != self._weights, now
+        return changed
 
     def shape_for(self, plan: StepPlan) -> StepShape:
         """The fewest lanes holding the plan's; the shortest rung covering every fed position."""
