@@ -4,8 +4,8 @@ loaded from the compile cache root, checked, and called directly (no Dynamo, no 
 A compiled artifact is saved as `<root>/inductor/<digest>.bin` with its SHA-256 beside it
 (`<digest>.sha256`, written at save time). The digest covers the region's source, its inputs' shapes,
 strides and dtypes, torch's version and what shapes machine code on this CPU (provenance.codegen: ISA
-flags, compiler, Inductor's settings). Loading needs a safe file whose hash matches (and the hash a
-stored piece names, if any); its first outputs must match the region's own torch ops. A region that
+flags, compiler, Inductor's settings). Loading needs a safe file whose hash matches; its first outputs
+must match the region's own torch ops. A region that
 cannot be compiled (no compiler, unwritable disk) runs its torch ops, reported once (fallbacks).
 Inductor's own caches live under `<root>/inductor-cache`.
 """
@@ -75,9 +75,10 @@ def _root_inductor_caches(path: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.absolute())
 
 
-def _checked_bytes(path: Path, hash_path: Path, expected: str | None) -> tuple[bytes, str | None]:
+def _checked_bytes(path: Path, hash_path: Path) -> tuple[bytes, str | None]:
     """(the artifact's bytes, what is wrong with them or None): a safe file whose SHA-256 is the one
-    written beside it at save time and, if a stored piece names one, `expected`."""
+    written beside it at save time. (Not the one a stored piece recorded: an artifact compiled again
+    after a failed check replaces both files, and the piece that names the region stays valid.)"""
     from thunder_batch.compile.cache import sha256, unsafe_reason
 
     problem = unsafe_reason(path, directory=False)
@@ -89,8 +90,6 @@ def _checked_bytes(path: Path, hash_path: Path, expected: str | None) -> tuple[b
     data = path.read_bytes()
     if problem is None and hash_path.read_text().strip() != sha256(data):
         problem = "content hash mismatch (damaged or edited)"
-    if problem is None and expected not in (None, sha256(data)):
-        problem = "not the artifact the stored piece names (content hash mismatch)"
     return data, problem
 
 
@@ -125,7 +124,7 @@ class FusedRegion:
 
     source: the region as Python (Thunder's torch-executor trace of it); fn: that source as a function.
     A compiled artifact is stored as `<digest>.bin` with its SHA-256 in `<digest>.sha256`, written at
-    save time: a loaded artifact must match it (and, when a stored piece names one, that hash too), and
+    save time: a loaded artifact must match it, and
     its first outputs must match its torch ops. A region that cannot be compiled runs its torch ops.
     """
 
@@ -199,7 +198,7 @@ class FusedRegion:
         from thunder_batch.compile.cache import sha256, warn
 
         try:
-            data, problem = _checked_bytes(path, self._path(".sha256"), self.artifact_sha)
+            data, problem = _checked_bytes(path, self._path(".sha256"))
             if problem is None:
                 self.compiled = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
                 self.artifact_sha, self.loaded, self.unchecked = sha256(data), True, True

@@ -167,7 +167,8 @@ class LayeredProgram:
                 self._load_stored_blocks(shape, args)
             piece = shape.shared.find(module)
             if piece is not None:
-                bound, out = self._first_call(shape.shared, piece, module, args, self._probe(shape, args).block)
+                probe = lambda: self._probe(shape, args).block  # noqa: E731  (made only to check a stored piece)
+                bound, out = self._first_call(shape.shared, piece, module, args, probe)
                 if bound is not None:
                     shape.blocks[i] = bound
                     return out
@@ -179,13 +180,13 @@ class LayeredProgram:
         finally:
             self.seconds["block"] += time.perf_counter() - start
 
-    def _first_call(self, shared: SharedTraces, piece: TracedPiece, module, args, probe: tuple):
+    def _first_call(self, shared: SharedTraces, piece: TracedPiece, module, args, probe: Callable[[], tuple]):
         """(the piece bound to a new layer, its outputs); a stored piece is checked first against the
-        eager module on the `probe` inputs, and one that fails is dropped: (None, None)."""
+        eager module on the `probe()` inputs, and one that fails is dropped: (None, None)."""
         bound = piece.bind(module)
         if piece.jitted is not None:
             return bound, bound(*args)
-        problem = checked_call(bound, module, probe, self._eager_linears)
+        problem = checked_call(bound, module, probe(), self._eager_linears)
         if problem:
             warn(f"compile cache block entry ignored, retracing: failed its load-time check ({problem})")
             shared.traces.remove(piece)
