@@ -170,7 +170,8 @@ class Engine:
     # -- the one primitive --------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Admit waiting requests into free slots, run one step, and return what it produced."""
-        if self.runner.weights_changed():  # kept entries were computed by other weights
+        # Kept entries computed by other weights must not be reused: checked when a prompt may be admitted.
+        if self.scheduler.waiting and self.runner.weights_changed():
             self.reset_prefix_cache()
         plan = self.scheduler.schedule()
         if plan is None:

@@ -81,7 +81,8 @@ class Runner:
 
     def weights_changed(self) -> bool:
         """Whether any weight of the model was replaced or edited in place since the last call (the first
-        call: since the runner was built): each tensor's identity and version counter."""
+        call: since the runner was built): each tensor's identity and version counter. The engine asks
+        before admitting prompts, not every step (a large MoE model has thousands of weight tensors)."""
         now = [(id(t), t._version) for t in self.gpt.parameters()]
         changed, self._weights = now != self._weights, now
         return changed
