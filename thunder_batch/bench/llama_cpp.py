@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -86,11 +87,14 @@ def start_server(server: Path, gguf: str, batch_size: int, ctx: BenchContext) ->
     port, threads = free_port(), str(torch.get_num_threads())
     command = [str(server), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(batch_size)]
     command += ["-c", str(batch_size * ctx.max_seq_length), "-t", threads, "-tb", threads, "--no-webui"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile()  # its log, unread while it runs: a pipe would fill and stop the server
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited ({process.returncode}): {process.stderr.read()[-2000:]}")
+            log.seek(0)
+            tail = log.read()[-2000:].decode(errors="replace")
+            raise RuntimeError(f"llama-server exited ({process.returncode}): {tail}")
         try:
             if requests.get(f"{url}/health", timeout=1).status_code == 200:
                 return process, url
