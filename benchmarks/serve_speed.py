@@ -51,7 +51,7 @@ def one_client(url: str, messages: list, max_tokens: int, start: threading.Event
 
 
 def over_http(args) -> dict:
-    start, out = threading.Event(), []
+    before, start, out = server_steps(args.url), threading.Event(), []
     threads = [
         threading.Thread(target=one_client, args=(args.url, m, args.max_tokens, start, out, args.model))
         for m in chats(args.clients)
@@ -73,23 +73,78 @@ def over_http(args) -> dict:
         ttft_p50_s=round(statistics.median(ttft), 3),
         ttft_max_s=round(max(ttft), 3),
         itl_p50_ms=round(1000 * statistics.median(itl), 1) if itl else None,
+        steps=steps_between(before, server_steps(args.url)),
     )
 
 
-def offline(args) -> dict:
-    from thunder_batch import Engine, EngineConfig, SamplingParams
+def server_steps(url: str) -> dict:
+    """shape -> (count, seconds) from a thunder-batch server's step histogram ({} from other servers)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    steps: dict = {}
+    for line in text.splitlines():
+        for part, index in (("_count{", 0), ("_sum{", 1)):
+            if line.startswith("thunder_batch:step_duration_seconds" + part):
+                shape = line.split('shape="')[1].split('"')[0]
+                steps.setdefault(shape, [0.0, 0.0])[index] = float(line.rsplit(" ", 1)[1])
+    return steps
+
+
+def steps_between(before: dict, after: dict) -> dict:
+    """The steps of one run, as "count x mean ms" per shape (a histogram keeps sums, not medians)."""
+    out = {}
+    for shape, (count, total) in after.items():
+        count0, total0 = before.get(shape, (0, 0.0))
+        if count > count0:
+            out[shape] = f"{count - count0:.0f} x {1000 * (total - total0) / (count - count0):.0f} ms (mean)"
+    return out
+
+
+def load_engine(args):
+    from thunder_batch import Engine, EngineConfig
 
     config = EngineConfig(batch_size=args.batch_size, max_seq_length=args.max_seq_length, compile=args.compile)
     engine = Engine.from_checkpoint(args.checkpoint_dir, config)
     if args.compile == "thunder":
         engine.warmup()
+    return engine, time_steps(engine.runner)
+
+
+def offline(engine_and_steps: tuple, args) -> dict:
+    from thunder_batch import SamplingParams
+
+    engine, steps = engine_and_steps
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=0)
-    engine.generate(chats(args.clients)[:1], params)  # one untimed request: first-call costs out of the way
+    engine.generate([[{"role": "user", "content": "Hello."}]], params)  # untimed: first-call costs out of the way
+    steps.clear()
     begin = time.perf_counter()
     results = engine.generate(chats(args.clients), params)
     wall = time.perf_counter() - begin
     tokens = sum(len(r.token_ids) for r in results)
-    return dict(clients=args.clients, tokens=tokens, tok_per_s=round(tokens / wall, 1))
+    return dict(clients=args.clients, tokens=tokens, tok_per_s=round(tokens / wall, 1), steps=summary(steps))
+
+
+def time_steps(runner) -> dict:
+    """Wrap this runner's `run` (as the server's worker does for /metrics): shape -> list of step seconds."""
+    run, steps = runner.run, {}
+
+    def timed(plan, head=None, shape=None):
+        start = time.perf_counter()
+        try:
+            return run(plan, head, shape)
+        finally:
+            key = (shape or runner.shape_for(plan)).describe(runner.config)
+            steps.setdefault(key, []).append(time.perf_counter() - start)
+
+    runner.run = timed
+    return steps
+
+
+def summary(steps: dict) -> dict:
+    """shape -> "count x median ms", as the server's /metrics step histogram can be read."""
+    return {k: f"{len(v)} x {1000 * statistics.median(v):.0f} ms" for k, v in steps.items()}
 
 
 def main() -> None:
@@ -103,8 +158,11 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--max_seq_length", type=int, default=1024)
     parser.add_argument("--compile", default="thunder")
+    parser.add_argument("--runs", type=int, default=1, help="run the same requests this many times (prefixes kept)")
     args = parser.parse_args()
-    print(json.dumps(offline(args) if args.offline else over_http(args)))
+    engine = load_engine(args) if args.offline else None
+    for _ in range(args.runs):
+        print(json.dumps(offline(engine, args) if args.offline else over_http(args)), flush=True)
 
 
 if __name__ == "__main__":
