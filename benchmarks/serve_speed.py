@@ -104,12 +104,15 @@ def steps_between(before: dict, after: dict) -> dict:
 
 def load_engine(args):
     from thunder_batch import Engine, EngineConfig
+    from thunder_batch.runner import time_steps
 
     config = EngineConfig(batch_size=args.batch_size, max_seq_length=args.max_seq_length, compile=args.compile)
     engine = Engine.from_checkpoint(args.checkpoint_dir, config)
     if args.compile == "thunder":
         engine.warmup()
-    return engine, time_steps(engine.runner)
+    steps: dict = {}  # shape -> list of step seconds (as the server's worker times them for /metrics)
+    time_steps(engine.runner, lambda shape, seconds: steps.setdefault(shape, []).append(seconds))
+    return engine, steps
 
 
 def offline(engine_and_steps: tuple, args) -> dict:
@@ -124,22 +127,6 @@ def offline(engine_and_steps: tuple, args) -> dict:
     wall = time.perf_counter() - begin
     tokens = sum(len(r.token_ids) for r in results)
     return dict(clients=args.clients, tokens=tokens, tok_per_s=round(tokens / wall, 1), steps=summary(steps))
-
-
-def time_steps(runner) -> dict:
-    """Wrap this runner's `run` (as the server's worker does for /metrics): shape -> list of step seconds."""
-    run, steps = runner.run, {}
-
-    def timed(plan, head=None, shape=None):
-        start = time.perf_counter()
-        try:
-            return run(plan, head, shape)
-        finally:
-            key = (shape or runner.shape_for(plan)).describe(runner.config)
-            steps.setdefault(key, []).append(time.perf_counter() - start)
-
-    runner.run = timed
-    return steps
 
 
 def summary(steps: dict) -> dict:

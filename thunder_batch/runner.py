@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -209,6 +210,21 @@ class Runner:
         if len(out) > 4:
             result.row_logprobs, result.row_top = out[4].tolist(), _pairs(out[5], out[6])
         return result
+
+
+def time_steps(runner: Runner, record) -> None:
+    """Time every step of this runner: record(shape description, seconds) after each (wraps this
+    instance's `run`; the class is untouched). The server's /metrics and the benchmarks read it."""
+    run = runner.run
+
+    def timed(plan, head=None, shape=None):
+        start = time.perf_counter()
+        try:
+            return run(plan, head, shape)
+        finally:
+            record((shape or runner.shape_for(plan)).describe(runner.config), time.perf_counter() - start)
+
+    runner.run = timed
 
 
 def _pairs(ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[tuple[int, float]]]:

@@ -85,7 +85,7 @@ class EngineLoop(ContinuousBatchingLoop):
         self._send(transport, [(uid, claimed, False) for _, uid, _, _ in items])
         prepared = await asyncio.to_thread(lit_api.prepare, [(uid, payload) for _, uid, _, payload in items])
         async with self.order:
-            self._send(transport, await asyncio.to_thread(lit_api.admit, prepared))
+            self._send(transport, await _on_engine_thread(lit_api, lit_api.admit, prepared))
         wake.set()
 
     def _take_requests(self, request_queue, room: int) -> list:
@@ -115,7 +115,7 @@ class EngineLoop(ContinuousBatchingLoop):
             return
         async with self.order:
             try:
-                events = await asyncio.to_thread(lit_api.step)
+                events = await _on_engine_thread(lit_api, lit_api.step)
                 lit_api.step_failed(False)
             except Exception:
                 logger.exception("engine step failed; failing the requests in flight")
@@ -136,7 +136,7 @@ class EngineLoop(ContinuousBatchingLoop):
             return
         self._probed_at = time.monotonic()
         try:
-            await asyncio.to_thread(lit_api.probe)
+            await _on_engine_thread(lit_api, lit_api.probe)
             lit_api.step_failed(False)
             logger.info("worker %d: an empty step succeeded; healthy again", lit_api.index)
         except Exception:
@@ -156,6 +156,11 @@ class EngineLoop(ContinuousBatchingLoop):
                 del self.response_queue_ids[uid]
         for queue_id, batch in batches.items():
             self.put_response(transport, queue_id, MESSAGES_UID, batch, LitAPIStatus.OK, LoopResponseType.STREAMING)
+
+
+async def _on_engine_thread(lit_api, fn, *args):
+    """Engine calls run on the worker's one engine thread (see `EngineAPI._load_engine`)."""
+    return await asyncio.get_running_loop().run_in_executor(lit_api.engine_thread, fn, *args)
 
 
 def _choices(payload: dict) -> int:

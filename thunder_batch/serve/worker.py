@@ -2,8 +2,8 @@
 
 LitServe runs three kinds of process: the main process (`server`), which starts the others and waits;
 an HTTP process per worker (`routes`); and the inference workers (devices x workers_per_device), each
-owning one Engine built in `EngineAPI.setup`. Inside a worker, `loop.EngineLoop` runs two threads that
-both touch the engine, so its state sits behind a lock:
+owning one Engine built in `EngineAPI.setup`. Inside a worker, `loop.EngineLoop` runs two tasks that
+both touch the engine, so its state sits behind a lock (and every engine call runs on one engine thread):
 - intake: takes a bounded number of requests off LitServe's queue, tokenizes them outside the lock
   (`prepare`), then queues them in the engine under it (`admit`);
 - steps: `Engine.step()` back to back while any request is unfinished (`step`).
@@ -19,12 +19,14 @@ import signal
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 
 import litserve as ls
 
 from thunder_batch.config import ContextLengthError, ParamError, is_chat
+from thunder_batch.runner import time_steps
 from thunder_batch.serve.loop import EngineLoop
 from thunder_batch.serve.metrics import Metrics
 from thunder_batch.serve.openai import APIError
@@ -66,6 +68,7 @@ class EngineAPI(ls.LitAPI):
         super().__init__(spec=spec, loop=EngineLoop())
         self.options, self.state, self.board, self.model = options, state, board, model
         self.engine, self.lock, self.index = None, None, 0
+        self.engine_thread: ThreadPoolExecutor | None = None  # made in the worker: it does not pickle
 
     def setup(self, device) -> None:
         self.index = int(os.environ.get("LITSERVE_WORKER_ID", "0"))
@@ -73,20 +76,29 @@ class EngineAPI(ls.LitAPI):
             signal.signal(signal.SIGTERM, self._on_sigterm)
         fields = dict(ready=0, failed_steps=0, queue_lost=0, running=0, waiting=0)
         self.state.set_worker(self.index, pid=os.getpid(), **fields)
+        self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.attach(self.engine_thread.submit(self._load_engine, device).result())
+
+    def _load_engine(self, device):
+        """On the engine thread, like every step after it: each thread that starts torch's OpenMP
+        regions gets a team of its own, and with more OpenMP threads than cores libgomp stops spinning
+        between regions (a decode step warmed up on one thread and run on another: 25-45% slower)."""
         engine = self.options.load_engine(device)
         if engine.config.compile == "thunder":
             engine.warmup(progress=True)  # make every step shape now, not on the first request
-        self.attach(engine)
+        return engine
 
     def attach(self, engine) -> None:
+        """Serve `engine`; every engine call goes through `engine_thread` (see `_load_engine`)."""
         self.engine, self.lock = engine, threading.Lock()
+        self.engine_thread = self.engine_thread or ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.metrics = Metrics(self.model)
         self._jobs: dict[str, _Job] = {}  # uid -> its choices, for every request in the engine
         self._requests: dict = {}  # engine request id -> (uid, choice)
         self._finished: OrderedDict = OrderedDict()  # recently finished uids
         self._texts = TokenTexts(engine.tokenizer)
         self._compiles, self._published_at = (0, 0), 0.0
-        self._time_steps(engine.runner)
+        time_steps(engine.runner, self._time_step)
         self._report()
         self.state.beat(self.index)
         self.state.set_worker(self.index, pid=os.getpid(), ready=1)
@@ -271,6 +283,9 @@ class EngineAPI(ls.LitAPI):
             self.metrics.labels(self.metrics.itl).observe(now - last)
         job.last_token[choice] = now
 
+    def _time_step(self, shape: str, seconds: float) -> None:
+        self.metrics.labels(self.metrics.step, shape=shape).observe(seconds)
+
     def _record_compiles(self, stats: dict) -> None:
         """The pieces loaded and traced since the last publication, as metrics (from Engine.stats)."""
         loaded, traced = stats["disk_cache_hits"], stats["traced"]
@@ -278,20 +293,6 @@ class EngineAPI(ls.LitAPI):
             self.metrics.labels(self.metrics.compile_cache_hits).inc(loaded - self._compiles[0])
             self.metrics.labels(self.metrics.compiled_pieces).inc(traced - self._compiles[1])
             self._compiles = (loaded, traced)
-
-    def _time_steps(self, runner) -> None:
-        """Time every step by its shape (wraps this runner instance's `run`; the class is untouched)."""
-        run, step = runner.run, self.metrics.step
-
-        def timed(plan, head=None, shape=None):
-            start = time.perf_counter()
-            try:
-                return run(plan, head, shape)
-            finally:
-                shape = (shape or runner.shape_for(plan)).describe(runner.config)
-                self.metrics.labels(step, shape=shape).observe(time.perf_counter() - start)
-
-        runner.run = timed
 
 
 def _error(uid: str, error: APIError) -> Event:
