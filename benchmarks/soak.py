@@ -5,7 +5,8 @@ clients until --requests are done: 10% cancel mid-stream, 10% give up after 0.5 
 bodies, the rest ask greedy completions (half streamed) and check each answer against that prompt's
 answer alone. Halfway through, one worker is killed (SIGKILL). Reports the outcomes, any 5xx other
 than the killed worker's (`worker_died`), hangs (no answer within --hang_s), answers that differ from
-the request alone, and the server's resident memory before and after.
+the request alone, and the server's resident memory before and after. On the first hang, every server
+process's Python stacks are printed (py-spy, when it is on PATH).
 
     python benchmarks/soak.py --requests 2000 --clients 24 -- --batch_size 8 --workers_per_device 2
 (arguments after `--` go to `thunder-batch serve`)
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,8 +42,8 @@ MALFORMED = [
 
 
 class Soak:
-    def __init__(self, url: str, hang_s: float, max_tokens: int, seed: int = 0):
-        self.url, self.hang_s, self.max_tokens = url, hang_s, max_tokens
+    def __init__(self, url: str, hang_s: float, max_tokens: int, seed: int = 0, server_pid: int | None = None):
+        self.url, self.hang_s, self.max_tokens, self.server_pid = url, hang_s, max_tokens, server_pid
         self.expected: dict[tuple[str, int], str] = {}
         self.outcomes: Counter = Counter()
         self.problems: list[str] = []
@@ -106,6 +108,9 @@ class Soak:
     def problem(self, what: str) -> str:
         with self.lock:
             self.problems.append(what)
+            first_hang = what.startswith("hang") and sum(p.startswith("hang") for p in self.problems) == 1
+        if first_hang and self.server_pid:
+            dump_stacks(self.server_pid)
         return what.split(":")[0]
 
     def client(self, seed: int, total: int) -> None:
@@ -129,6 +134,16 @@ def _post(url: str, body, timeout: float) -> tuple[int, bytes]:
 def rss_mb(pid: int) -> float:
     main = psutil.Process(pid)
     return sum(p.memory_info().rss for p in [main, *main.children(recursive=True)]) / 2**20
+
+
+def dump_stacks(pid: int) -> None:
+    """Every server process's Python stacks on stderr (with py-spy on PATH): what a hang is waiting on."""
+    if shutil.which("py-spy") is None:
+        print("a hang: put py-spy on PATH to see the server's stacks", file=sys.stderr)
+        return
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        print(f"--- pid {p.pid}: {' '.join(p.cmdline())[-80:]}", file=sys.stderr)
+        subprocess.run(["py-spy", "dump", "--pid", str(p.pid)], stdout=sys.stderr, stderr=sys.stderr, timeout=60)
 
 
 def wait_idle(url: str, timeout: float = 120) -> None:
@@ -177,7 +192,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     proc = start_server(args.port, args.serve_args)
     try:
-        soak = Soak(url, args.hang_s, args.max_tokens)
+        soak = Soak(url, args.hang_s, args.max_tokens, server_pid=proc.pid)
         soak.learn_alone()
         wait_idle(url)
         before = rss_mb(proc.pid)
