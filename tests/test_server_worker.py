@@ -290,6 +290,32 @@ def test_the_engine_is_loaded_warmed_up_and_stepped_on_one_thread(monkeypatch):
     assert threads["load"] == threads["step"] != threading.get_ident()
 
 
+def test_cpu_workers_split_torch_threads_unless_omp_num_threads_is_set(monkeypatch):
+    import torch
+
+    from thunder_batch.serve.worker import share_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        seen = []
+        for device, workers, env in [
+            ("cpu", 2, None),
+            ("cpu", 8, None),
+            ("cpu", 1, None),
+            ("cuda:0", 2, None),
+            ("cpu", 2, "4"),
+        ]:
+            torch.set_num_threads(4)
+            if env:
+                monkeypatch.setenv("OMP_NUM_THREADS", env)
+            share_cpu_threads(device, workers)
+            seen.append(torch.get_num_threads())
+        assert seen == [2, 1, 4, 4, 4]
+    finally:
+        torch.set_num_threads(before)
+
+
 # -- races found by reading (issue: the server under real traffic) ----------------------------------
 def test_accepted_is_sent_before_the_first_token_even_when_a_step_overtakes_the_admission():
     """admit releases the engine lock before its "accepted" is sent; a step run in that gap has the

@@ -44,7 +44,8 @@ def serve(
             $THUNDER_BATCH_API_KEY (keeps the key out of the process list); unset: no key.
         accelerator: Where engines run; "auto" picks CUDA when available.
         devices: How many devices to use (None: all).
-        workers_per_device: Engines per device, each a worker process with its own B slots.
+        workers_per_device: Engines per device, each a worker process with its own B slots (on CPU,
+            each with its share of torch's threads unless OMP_NUM_THREADS is set).
         max_body_bytes: Largest request body accepted; larger ones get 413.
         max_waiting: Requests each worker may hold beyond its B slots; past (B + max_waiting) x workers
             requests in flight the server answers 429 with Retry-After. Default: no bound (requests

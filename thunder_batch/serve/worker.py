@@ -83,6 +83,7 @@ class EngineAPI(ls.LitAPI):
         """On the engine thread, like every step after it: each thread that starts torch's OpenMP
         regions gets a team of its own, and with more OpenMP threads than cores libgomp stops spinning
         between regions (a decode step warmed up on one thread and run on another: 25-45% slower)."""
+        share_cpu_threads(device, self.state.workers)
         engine = self.options.load_engine(device)
         if engine.config.compile == "thunder":
             engine.warmup(progress=True)  # make every step shape now, not on the first request
@@ -293,6 +294,15 @@ class EngineAPI(ls.LitAPI):
             self.metrics.labels(self.metrics.compile_cache_hits).inc(loaded - self._compiles[0])
             self.metrics.labels(self.metrics.compiled_pieces).inc(traced - self._compiles[1])
             self._compiles = (loaded, traced)
+
+
+def share_cpu_threads(device, workers: int) -> None:
+    """CPU workers split the cores: each takes its share of torch's threads (unless OMP_NUM_THREADS says
+    otherwise), as OpenMP threads spinning in one worker would take the cores another one computes on."""
+    import torch
+
+    if workers > 1 and str(device).startswith("cpu") and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
 def _error(uid: str, error: APIError) -> Event:
