@@ -158,9 +158,8 @@ class Drafter:
         self.pauses.pop(request_id, None)
 
     def stats(self) -> dict:
-        proposed = self.counters["draft_tokens"]
-        rate = self.counters["accepted_tokens"] / proposed if proposed else 0.0
-        return dict(self.counters, acceptance_rate=rate)
+        """Counters only (the server sums them over workers): acceptance = accepted / draft tokens."""
+        return dict(self.counters)
 
 
 def _scores(work: SlotWork) -> bool:

@@ -295,7 +295,8 @@ class Engine:
         `step_shapes`, whatever the traffic), `programs` (per piece: prefix, block, head variants),
         `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache),
         `thunder_traces` (traces Thunder itself counts: a retrace shows here), and `compile_seconds`
-        (per piece: `compile_seconds_by_piece`)."""
+        (per piece: `compile_seconds_by_piece`); with speculative decoding, `speculative`: verify steps,
+        draft tokens proposed and accepted."""
         computed, scheduler = self._counters["prompt_tokens"], self.scheduler
         return dict(
             self._counters,
@@ -305,7 +306,7 @@ class Engine:
             prefix_cache_queries=scheduler.prefix_queries,
             prefix_cache_hits=scheduler.prefix_hits,
             **program_stats(self.runner),
-            speculative=self.drafter.stats() if self.drafter is not None else None,
+            **({} if self.drafter is None else dict(speculative=self.drafter.stats())),
             step_shapes=[shape.describe(self.config) for shape in self.config.step_shapes],
             running=self.scheduler.num_running(),
             waiting=len(self.scheduler.waiting),

@@ -76,7 +76,7 @@ def run_speculative_bench(
                 engine = Engine(gpt, config, tokenizer=tokenizer)
                 engine.warmup()
                 run = run_once(engine, workload, opts["ignore_eos"])
-                spec = engine.stats()["speculative"] or {}
+                spec = engine.stats().get("speculative", {})
                 baseline = baseline or run
                 rows.append(_row(name, batch_size, k, run, spec, baseline))
                 print(f"[speculative bench] {json.dumps(rows[-1])}", file=sys.stderr)
@@ -94,7 +94,7 @@ def _row(system: str, batch_size: int, k: int, run: dict, spec: dict, baseline: 
         wall_s=round(run["wall_s"], 3),
         wall_speedup=round(baseline["wall_s"] / run["wall_s"], 3),
         tokens_per_decode_step=round(run["tokens_per_decode_step"], 3),
-        acceptance_rate=round(spec.get("acceptance_rate", 0.0), 3),
+        acceptance_rate=round(spec["accepted_tokens"] / spec["draft_tokens"], 3) if spec.get("draft_tokens") else 0.0,
         verify_steps=spec.get("verify_steps", 0),
         steps=run["steps"],
         generated_tokens=run["generated_tokens"],
