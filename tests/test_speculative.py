@@ -199,3 +199,31 @@ def test_thunder_makes_each_shape_once_and_matches_eager(gpt):
     stats = engine.stats()
     assert stats["speculative"]["accepted_tokens"] > 0
     assert stats["cache_misses"] == 2 and stats["thunder_traces"] == stats["traced"]
+
+
+PASSAGE = (
+    "The old lighthouse on Marrow Point was switched off in 1987, but the keepers' cottage still stands beside "
+    "it. Every spring a group of volunteers repaints the door, clears the gutters and checks the small weather "
+    "station on the roof. The station sends wind speed and air pressure to the harbour office every ten minutes."
+)
+
+
+@pytest.mark.slow
+def test_real_model_copying_a_passage_gives_the_same_tokens_with_fewer_steps():
+    """The default checkpoint, eager fp32, B = 1: a chat asking to copy a passage, greedy and seeded."""
+    from thunder_batch.checkpoints import default_checkpoint_dir
+
+    prompt = [dict(role="user", content=f"Repeat the following passage word for word.\n\n{PASSAGE}")]
+    config = dict(batch_size=1, max_seq_length=256, prefill_chunk=64, compile="eager")
+    outputs = {}
+    for k in (0, 4):
+        engine = Engine.from_checkpoint(default_checkpoint_dir(), EngineConfig(speculative_tokens=k, **config))
+        for params in (SamplingParams(max_new_tokens=48), SamplingParams(max_new_tokens=48, temperature=0.8, seed=123)):
+            before = engine.stats()["steps"]
+            [result] = engine.generate([prompt], params)
+            outputs[k, params.temperature] = (result.token_ids, result.text, engine.stats()["steps"] - before)
+        if k:
+            assert engine.stats()["speculative"]["accepted_tokens"] > 0
+    for temperature in (0.0, 0.8):
+        assert outputs[4, temperature][:2] == outputs[0, temperature][:2]  # tokens and text
+    assert outputs[4, 0.0][2] < outputs[0, 0.0][2]  # the copy's drafts stand: fewer steps
