@@ -208,9 +208,17 @@ PASSAGE = (
 )
 
 
+RUNS = {
+    "greedy": SamplingParams(max_new_tokens=48),
+    "seeded": SamplingParams(max_new_tokens=48, temperature=0.8, seed=123),
+    "stop string": SamplingParams(max_new_tokens=48, stop=["weather"]),
+}
+
+
 @pytest.mark.slow
 def test_real_model_copying_a_passage_gives_the_same_tokens_with_fewer_steps():
-    """The default checkpoint, eager fp32, B = 1: a chat asking to copy a passage, greedy and seeded."""
+    """The default checkpoint, eager fp32, B = 1: a chat asking to copy a passage, greedy, seeded, and
+    greedy with a stop string that the copy reaches inside a verify step's accepted tokens."""
     from thunder_batch.checkpoints import default_checkpoint_dir
 
     prompt = [dict(role="user", content=f"Repeat the following passage word for word.\n\n{PASSAGE}")]
@@ -218,12 +226,13 @@ def test_real_model_copying_a_passage_gives_the_same_tokens_with_fewer_steps():
     outputs = {}
     for k in (0, 4):
         engine = Engine.from_checkpoint(default_checkpoint_dir(), EngineConfig(speculative_tokens=k, **config))
-        for params in (SamplingParams(max_new_tokens=48), SamplingParams(max_new_tokens=48, temperature=0.8, seed=123)):
+        for name, params in RUNS.items():
             before = engine.stats()["steps"]
             [result] = engine.generate([prompt], params)
-            outputs[k, params.temperature] = (result.token_ids, result.text, engine.stats()["steps"] - before)
+            outputs[k, name] = (result.token_ids, result.text, result.finish_reason, engine.stats()["steps"] - before)
         if k:
             assert engine.stats()["speculative"]["accepted_tokens"] > 0
-    for temperature in (0.0, 0.8):
-        assert outputs[4, temperature][:2] == outputs[0, temperature][:2]  # tokens and text
-    assert outputs[4, 0.0][2] < outputs[0, 0.0][2]  # the copy's drafts stand: fewer steps
+    for name in RUNS:
+        assert outputs[4, name][:3] == outputs[0, name][:3]  # tokens, text, finish reason
+    assert outputs[0, "stop string"][1].endswith("small ") and outputs[0, "stop string"][2] == "stop"
+    assert outputs[4, "greedy"][3] < outputs[0, "greedy"][3]  # the copy's drafts stand: fewer steps
