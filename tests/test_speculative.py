@@ -3,6 +3,7 @@ speculative_tokens=0 (greedy and seeded), stops / EOS / max_tokens / logprobs in
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -10,7 +11,17 @@ import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.config import ParamError, StepShape
-from thunder_batch.drafts import GATE_MIN_STEPS, GATE_RETRY, DraftGate, SlotPause, accepted_tokens, prompt_lookup
+from thunder_batch.drafts import (
+    GATE_MIN_STEPS,
+    GATE_RETRY,
+    Drafter,
+    DraftGate,
+    SlotPause,
+    accepted_tokens,
+    prompt_lookup,
+)
+from thunder_batch.request import Request
+from thunder_batch.scheduler import SlotWork, StepPlan
 
 from helpers import mixed_prompts, tiny_gpt
 
@@ -69,6 +80,26 @@ def test_the_gate_skips_drafting_where_verify_steps_do_not_pay_and_retries_later
     assert gate.allows(4, step=10)  # per verify shape
     assert not gate.allows(1, step=10 + GATE_RETRY - 1)
     assert gate.allows(1, step=10 + GATE_RETRY)  # measured afresh
+
+
+def _decoding(prompt, output, max_new_tokens, slot=0):
+    request = Request(slot, prompt, SamplingParams(max_new_tokens=max_new_tokens), seed=0)
+    request.output_ids, request.num_cached, request.slot = list(output), len(prompt) + len(output) - 1, slot
+    return SlotWork(slot, request, output[-1:], request.num_cached, samples=True)
+
+
+def test_drafts_fit_the_request_and_the_cache_and_only_decoding_steps_verify():
+    config = EngineConfig(batch_size=2, max_seq_length=32, prefill_chunk=8, speculative_tokens=4)
+    drafter = Drafter(config)
+    loop = [1, 2, 3] * 3
+    plan = drafter.propose(StepPlan([_decoding(loop, [1, 2], 20), _decoding([5, 6, 7], [8], 20, slot=1)]))
+    assert plan.verify and [w.draft for w in plan.work] == [[3, 1, 2], []]  # what followed [3, 1, 2] last time
+    assert plan.work[0].token_ids == [2, 3, 1, 2] and plan.work[0].lane == 0 and plan.work[1].lane is None
+    assert drafter.propose(StepPlan([_decoding(loop, [1, 2], 4)])).work[0].draft == [3]  # 2 tokens left: 1 draft
+    near_end = _decoding(loop * 3 + [1, 2], [3], 20)  # fed at position 29 of 32: room for 2
+    assert drafter.propose(StepPlan([near_end])).work[0].draft == [1, 2]
+    prefilling = dataclasses.replace(_decoding([4] * 12, [], 20, slot=1), token_ids=[4] * 8, start_pos=0, lane=0)
+    assert not drafter.propose(StepPlan([_decoding(loop, [1, 2], 20), prefilling])).verify  # a prefill lane
 
 
 # -- config -----------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ class Drafter:
     def _draft(self, work: SlotWork) -> list[int]:
         request = work.request
         pause = self.pauses.setdefault(request.request_id, SlotPause())
-        if pause.paused(self.steps) or request.params.prompt_logprobs is not None:
+        if pause.paused(self.steps):
             return []
         # Room: every fed position below max_seq_length, no more tokens than the request may still produce.
         left = request.params.max_new_tokens - len(request.output_ids)
