@@ -41,6 +41,7 @@ ENGINE_FLAGS = {
     "prefill_chunk": "64",
     "cache_dir": "null",
     "prefix_reuse": "True",
+    "speculative_tokens": "0",
 }
 EXPECTED_FLAGS = {
     "generate": {**ENGINE_FLAGS, "compile": "thunder", "prompt": "null", "max_new_tokens": "64"},
@@ -58,6 +59,7 @@ EXPECTED_FLAGS = {
         "llama_cpp_bin": "null",
         "llama_cpp_gguf": "null",
         "prefix_reuse": "True",
+        "speculative_tokens": "0",
         "turns": "8",
     },
 }

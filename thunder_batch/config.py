@@ -96,9 +96,13 @@ class StepShape:
 
     lanes: int
     length: int
+    verify: bool = False  # lanes of speculative_tokens + 1 rows checking drafts (speculative decoding)
 
     def describe(self, config: EngineConfig) -> str:
-        kind = f"{self.lanes}x{config.prefill_chunk} prefill + " if self.lanes else ""
+        if self.verify:
+            kind = f"{self.lanes}x{config.speculative_tokens + 1} verify + "
+        else:
+            kind = f"{self.lanes}x{config.prefill_chunk} prefill + " if self.lanes else ""
         return f"{kind}{config.batch_size} decode rows, attend {self.length}"
 
 
@@ -130,6 +134,12 @@ class EngineConfig:
     # a copy of any length costs well under a token's compute, benchmarks/prefix_copy.py).
     prefix_reuse: bool = True
     prefix_copy_min: int = 1
+    # Speculative decoding (drafts.py): a decoding slot whose last n tokens (n from ngram_max down to
+    # ngram_min) occurred earlier in its prompt or output proposes up to k tokens that followed them,
+    # and one step checks them all; outputs are those of k = 0 (off). See DESIGN "Speculative decoding".
+    speculative_tokens: int = 0
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 3
 
     def __post_init__(self) -> None:
         _require_int("batch_size", self.batch_size, 1)
@@ -144,6 +154,7 @@ class EngineConfig:
         if not isinstance(self.prefix_reuse, bool):
             raise ParamError("prefix_reuse", f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
         _require_int("prefix_copy_min", self.prefix_copy_min, 1)
+        self._check_speculative()
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.trace not in TRACE_MODES:
@@ -165,6 +176,14 @@ class EngineConfig:
                 f"max_prefill_lanes must be an int in [prefill_lanes={self.admit_lanes}, "
                 f"batch_size={self.batch_size}], got {self.max_prefill_lanes!r}",
             )
+
+    def _check_speculative(self) -> None:
+        _require_int("speculative_tokens", self.speculative_tokens, 0)
+        if self.speculative_tokens >= self.prefill_chunk:  # a verify lane's pads use a prefill lane's scratch
+            message = f"speculative_tokens ({self.speculative_tokens}) must be < prefill_chunk ({self.prefill_chunk})"
+            raise ParamError("speculative_tokens", message)
+        _require_int("speculative_ngram_min", self.speculative_ngram_min, 1)
+        _require_int("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)
 
     @property
     def admit_lanes(self) -> int:
@@ -199,20 +218,37 @@ class EngineConfig:
             counts.append(counts[-1] * 4)
         return tuple(sorted({*counts, self.burst_lanes}))
 
+    @functools.cached_property
+    def verify_lane_counts(self) -> tuple[int, ...]:
+        """Verify lanes a step may have (one per drafting slot): 1, then x4 up to batch_size (which
+        ends it). Empty when speculative decoding is off."""
+        if not self.speculative_tokens:
+            return ()
+        counts = [1]
+        while counts[-1] * 4 < self.batch_size:
+            counts.append(counts[-1] * 4)
+        return tuple(sorted({*counts, self.batch_size}))
+
     @property
     def step_shapes(self) -> tuple[StepShape, ...]:
         """Every shape the step program is made for, each once, whatever the traffic: a decode-only
-        step and a mixed step per lane count, at each rung of the attention-length ladder."""
-        kinds = (0, *self.lane_counts)
-        return tuple(StepShape(lanes, length) for lanes in kinds for length in self.ladder)
+        step, a mixed step per lane count and a verify step per verify lane count, at each rung of
+        the attention-length ladder."""
+        kinds = [(0, False), *((c, False) for c in self.lane_counts), *((c, True) for c in self.verify_lane_counts)]
+        return tuple(StepShape(lanes, length, verify) for lanes, verify in kinds for length in self.ladder)
 
     def lanes_for(self, busy: int) -> int:
         """The lane count of a step with `busy` lanes of prompt work: the smallest that holds them."""
         return next(c for c in self.lane_counts if c >= busy) if busy else 0
 
-    def step_rows(self, lanes: int) -> int:
-        """N, the rows of a step with this many lanes: B decode rows + lanes * prefill_chunk."""
-        return self.batch_size + lanes * self.prefill_chunk
+    def verify_lanes_for(self, drafting: int) -> int:
+        """The verify lane count of a step with `drafting` slots checking drafts: the smallest that holds them."""
+        return next(c for c in self.verify_lane_counts if c >= drafting)
+
+    def step_rows(self, lanes: int, verify: bool = False) -> int:
+        """N, the rows of a step with this many lanes: B decode rows + lanes * prefill_chunk (verify
+        lanes: lanes * (speculative_tokens + 1))."""
+        return self.batch_size + lanes * (self.speculative_tokens + 1 if verify else self.prefill_chunk)
 
     def attention_length(self, span: int) -> int:
         """The smallest rung covering cache entries 0 .. span-1."""

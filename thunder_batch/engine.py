@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import time
 from collections.abc import Iterator, Sequence
 
 from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
-from thunder_batch.compile.step import program_stats
 from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, choice_seed, is_chat, is_int
-from thunder_batch.request import GenerationResult, Request, StepOutput
-from thunder_batch.runner import Runner
+from thunder_batch.drafts import Drafter, accepted_tokens
+from thunder_batch.request import GenerationResult, Request, StepOutput, joined_outputs
+from thunder_batch.runner import Runner, program_stats
 from thunder_batch.scheduler import Scheduler
 from thunder_batch.text_encoding import text_encoder
 
@@ -32,6 +33,7 @@ class Engine:
         self.scheduler = Scheduler(
             cfg.batch_size, cfg.prefill_chunk, cfg.lane_counts, cfg.prefix_reuse, cfg.prefix_copy_min
         )
+        self.drafter = Drafter(cfg) if cfg.speculative_tokens else None
         self.vocab_size = model.config.padded_vocab_size
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_ids = frozenset() if eos is None else frozenset({eos})
@@ -156,6 +158,8 @@ class Engine:
             return False
         request.abort()
         self.scheduler.remove(request, keep=False)
+        if self.drafter is not None:
+            self.drafter.finished(request_id)
         return True
 
     def reset_prefix_cache(self) -> None:
@@ -176,30 +180,62 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        if self.drafter is not None:
+            plan = self.drafter.propose(plan)
+        start = time.perf_counter()
         try:
             result = self.runner.run(plan)
         except BaseException:  # the caches may be half written: no prompt may take entries from them
             self.scheduler.step_failed(plan)
             raise
+        seconds = time.perf_counter() - start
         self._counters["steps"] += 1
-        outputs = []
-        for work in plan.work:
-            request = work.request
-            if result.row_logprobs is not None and request.params.prompt_logprobs is not None:
-                self._score_prompt(work, result)
+        generated = self._counters["generated_tokens"]
+        outputs = [output for work in plan.work if (output := self._advance(work, result)) is not None]
+        if self.drafter is not None and (plan.verify or not plan.busy_lanes):  # the gate compares decode steps
+            kind = self.runner.shape_for(plan).lanes if plan.verify else "plain"
+            self.drafter.gate.record(kind, self._counters["generated_tokens"] - generated, seconds)
+        return outputs
+
+    def _advance(self, work, result) -> StepOutput | None:
+        """Count a work's fed tokens and append what it sampled (None: it samples nothing yet)."""
+        request = work.request
+        if result.row_logprobs is not None and request.params.prompt_logprobs is not None:
+            self._score_prompt(work, result)
+        if work.draft:
+            output = self._verified(work, result)
+        else:
             request.num_cached += len(work.token_ids)
             if request.num_cached <= len(request.prompt_ids):
                 self._counters["prompt_tokens"] += len(work.token_ids)
             if not work.samples:
-                continue
+                return None
             self._counters["generated_tokens"] += 1
             top = result.top[work.slot] if result.top is not None else None
             output = request.append(result.tokens[work.slot], result.logprobs[work.slot], top)
+        if request.finished:
+            self._counters["finished_requests"] += 1
+            self.scheduler.remove(request)
+            if self.drafter is not None:
+                self.drafter.finished(request.request_id)
+        return output
+
+    def _verified(self, work, result) -> StepOutput:
+        """A verify lane's tokens (drafts.accepted_tokens) appended one by one, as plain decoding would
+        append them, up to the one that finishes the request; its kept entries end at the last one fed."""
+        request, first = work.request, work.lane * (self.config.speculative_tokens + 1)
+        samples = result.verify_tokens[first : first + len(work.token_ids)]
+        tokens = accepted_tokens(work.draft, samples)
+        self.drafter.record(work, len(tokens) - 1)
+        outputs = []
+        for row, token in enumerate(tokens, start=first):
+            top = result.verify_top[row] if result.verify_top is not None else None
+            outputs.append(request.append(token, result.verify_logprobs[row], top))
             if request.finished:
-                self._counters["finished_requests"] += 1
-                self.scheduler.remove(request)
-            outputs.append(output)
-        return outputs
+                break
+        request.num_cached += len(outputs)  # the pending token, then the accepted drafts before the last token
+        self._counters["generated_tokens"] += len(outputs)
+        return joined_outputs(outputs)
 
     def _score_prompt(self, work, result) -> None:
         """Record the logprobs of the prompt tokens that follow this work's rows (a `_prompt` head)."""
@@ -259,7 +295,8 @@ class Engine:
         `step_shapes`, whatever the traffic), `programs` (per piece: prefix, block, head variants),
         `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache),
         `thunder_traces` (traces Thunder itself counts: a retrace shows here), and `compile_seconds`
-        (per piece: `compile_seconds_by_piece`)."""
+        (per piece: `compile_seconds_by_piece`); with speculative decoding, `speculative`: verify steps,
+        draft tokens proposed and accepted."""
         computed, scheduler = self._counters["prompt_tokens"], self.scheduler
         return dict(
             self._counters,
@@ -268,7 +305,8 @@ class Engine:
             prompt_tokens_reused=scheduler.prefix_hits,
             prefix_cache_queries=scheduler.prefix_queries,
             prefix_cache_hits=scheduler.prefix_hits,
-            **program_stats(self.runner.step_fn),
+            **program_stats(self.runner),
+            **({} if self.drafter is None else dict(speculative=self.drafter.stats())),
             step_shapes=[shape.describe(self.config) for shape in self.config.step_shapes],
             running=self.scheduler.num_running(),
             waiting=len(self.scheduler.waiting),

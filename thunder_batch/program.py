@@ -117,22 +117,62 @@ class StepHead(nn.Module):
         return (*out, *score_rows(self.logits(x), target, MAX_LOGPROBS))  # its own matmul: [B] rows unchanged
 
 
+class VerifyHead(StepHead):
+    """The head of a verify step (speculative decoding): the decode rows as StepHead does, then
+    lm_head on every verify-lane row (rows B ..) and each row's sample at its own position with its
+    slot's settings, the same sampler and (seed, position) noise as a decode row there: a row samples
+    exactly the token plain decoding would after the same prefix. `target` carries each row's slot.
+    Variant `<sampler>_top` adds every row's most likely tokens."""
+
+    def forward(self, x, input_pos, last_row, temperature, top_k, top_p, seed, target=None):
+        # x: [N, C]; input_pos, target (row slots): [N]; the rest [B] -> StepHead's outputs, then
+        # (row token [R], row logprob [R]) and with `_top` (row ids [R, K], row logprobs [R, K]); R = N - B
+        out = super().forward(x, input_pos, last_row, temperature, top_k, top_p, seed)
+        B = last_row.shape[0]
+        slots = target[B:]  # [R]
+        logits = self.logits(x[B:])  # [R, V]: every verify row
+        position = input_pos[B:] + 1  # [R]: the position of the token each row samples
+        if self.variant == "greedy":
+            rows = greedy_sample(logits)
+        else:
+            settings = (t.index_select(0, slots) for t in (temperature, top_k, top_p, seed))  # [R] each
+            rows = batched_sample(logits, *settings, position, filtered=self.variant == "filtered")
+        if self.extra == "top":
+            rows = (*rows, *top_logprobs(logits, MAX_LOGPROBS))
+        return (*out, *rows)
+
+
+VERIFY_VARIANTS = tuple(f"verify_{v}" for v in HEADS + tuple(f"{h}_top" for h in HEADS))
+
+
 class StepProgram(nn.Module):
     """All pieces of one step for a GPT, with B slots of `max_seq_length` cache each; calling it runs them
     in order. lane_len: rows per prefill lane (the prefill chunk C). The program owns the slot caches
     (one per layer, with scratch room for padding: see SlotKVCache) and its RoPE tables; the GPT's
     weights are shared, never copied (an MoE layer's expert weights move into its stack: the same
-    Parameters and values, see moe.py), and the GPT itself is left as it was."""
+    Parameters and values, see moe.py), and the GPT itself is left as it was.
 
-    def __init__(self, gpt: nn.Module, batch_size: int, max_seq_length: int, lane_len: int = 1) -> None:
+    `verify_of`: make instead the verify program of that StepProgram (speculative decoding): its lanes
+    are verify lanes of `lane_len` rows, its heads `VERIFY_VARIANTS`, and it reads and writes the
+    same slot caches (their scratch room, C past S, holds a verify lane's pads: lane_len <= C)."""
+
+    def __init__(self, gpt: nn.Module, batch_size: int, max_seq_length: int, lane_len: int = 1, verify_of=None) -> None:
         super().__init__()
-        self.caches = nn.ModuleList(slot_caches(gpt, batch_size, max_seq_length + 1 + lane_len))
+        if verify_of is None:
+            self.caches = nn.ModuleList(slot_caches(gpt, batch_size, max_seq_length + 1 + lane_len))
+            self.heads = nn.ModuleDict({variant: StepHead(gpt, variant) for variant in VARIANTS})
+        else:
+            self.caches = verify_of.caches
+            self.heads = nn.ModuleDict({v: VerifyHead(gpt, v.removeprefix("verify_")) for v in VERIFY_VARIANTS})
+            # Its shape puts the verify lane's length in the compile cache key (module_signature).
+            self.register_buffer(
+                "verify_rows", torch.zeros(lane_len, device=gpt.lm_head.weight.device), persistent=False
+            )
         cache_shape = self.caches[0].k.shape
         self.prefix = StepPrefix(gpt, max_seq_length, cache_shape, lane_len)
         self.blocks = nn.ModuleList(
             BlockStep(block, cache, lane_len) for block, cache in zip(gpt.transformer.h, self.caches)
         )
-        self.heads = nn.ModuleDict({variant: StepHead(gpt, variant) for variant in VARIANTS})
 
     def forward(
         self,

@@ -24,6 +24,22 @@ class StepOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, if asked for
 
 
+def joined_outputs(outputs: list[StepOutput]) -> StepOutput:
+    """Several tokens' StepOutputs of one request, in order, as one (a verify step's accepted tokens)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last, texts = outputs[-1], [o.text for o in outputs]
+    return StepOutput(
+        last.request_id,
+        [t for o in outputs for t in o.token_ids],
+        None if last.text is None else "".join(texts),
+        last.finished,
+        last.finish_reason,
+        [lp for o in outputs for lp in o.logprobs],
+        [top for o in outputs for top in o.top_logprobs],
+    )
+
+
 @dataclass
 class GenerationResult:
     """A finished request. `token_ids` excludes the prompt, EOS/stop tokens, stop sequences and the

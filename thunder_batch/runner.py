@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from thunder_batch.compile.step import load_or_compile_program
+from thunder_batch.compile.step import program_stats as step_program_stats
 from thunder_batch.config import EngineConfig, StepShape
 from thunder_batch.model import check_supported
 from thunder_batch.program import HEADS, StepProgram
@@ -54,6 +56,10 @@ class StepResult:
     top: list[list[tuple[int, float]]] | None = None
     row_logprobs: list[float] | None = None
     row_top: list[list[tuple[int, float]]] | None = None
+    # A verify step's: per verify-lane row (lane * (k + 1) + j) its sampled token, logprob, alternatives
+    verify_tokens: list[int] | None = None
+    verify_logprobs: list[float] | None = None
+    verify_top: list[list[tuple[int, float]]] | None = None
 
 
 class Runner:
@@ -74,6 +80,11 @@ class Runner:
         self.program = StepProgram(gpt, config.batch_size, config.max_seq_length, config.prefill_chunk)
         self.caches = list(self.program.caches)  # one SlotKVCache per layer
         self.step_fn = load_or_compile_program(self.program, config, self.probe_inputs)
+        self.verify_fn = None  # speculative decoding: the verify program, over the same caches
+        if config.speculative_tokens:
+            lane_len = config.speculative_tokens + 1
+            verify = StepProgram(gpt, config.batch_size, config.max_seq_length, lane_len, verify_of=self.program)
+            self.verify_fn = load_or_compile_program(verify, config, functools.partial(self.probe_inputs, verify=True))
         self._weights = [(id(t), t._version) for t in gpt.parameters()]  # see weights_changed
         # A head without the top-k/top-p sort is one more small piece, but one more whole trace of
         # the model with trace="step": there, every step keeps the sort.
@@ -90,13 +101,20 @@ class Runner:
 
     def shape_for(self, plan: StepPlan) -> StepShape:
         """The fewest lanes holding the plan's; the shortest rung covering every fed position."""
-        return StepShape(self.config.lanes_for(plan.busy_lanes), self.config.attention_length(plan.span))
+        length = self.config.attention_length(plan.span)
+        if plan.verify:
+            return StepShape(self.config.verify_lanes_for(plan.busy_lanes), length, verify=True)
+        return StepShape(self.config.lanes_for(plan.busy_lanes), length)
+
+    def lane_len(self, verify: bool) -> int:
+        """Rows per lane: prefill_chunk, or speculative_tokens + 1 for a verify lane."""
+        return self.config.speculative_tokens + 1 if verify else self.config.prefill_chunk
 
     def inputs_for(self, plan: StepPlan, shape: StepShape | None = None) -> StepInputs:
         shape = shape or self.shape_for(plan)
-        B, S, C = self.config.batch_size, self.config.max_seq_length, self.config.prefill_chunk
+        B, S, C = self.config.batch_size, self.config.max_seq_length, self.lane_len(shape.verify)
         # decode row b: slot b, pad at scratch entry S; lane p token t: its slot, pad at S + 1 + t
-        idx = [0] * self.config.step_rows(shape.lanes)
+        idx = [0] * self.config.step_rows(shape.lanes, shape.verify)
         pos = [S] * B + [S + 1 + t for _ in range(shape.lanes) for t in range(C)]
         row_slot = list(range(B)) + _lane_slots(plan, shape.lanes, B, C)
         last, temperature, top_k, top_p, seed = list(range(B)), [0.0] * B, [0] * B, [1.0] * B, [0] * B
@@ -106,11 +124,13 @@ class Runner:
             n, params = len(w.token_ids), w.request.params
             idx[first : first + n] = w.token_ids
             pos[first : first + n] = range(w.start_pos, w.start_pos + n)
-            last[w.slot] = first + n - 1
+            last[w.slot] = w.slot if w.draft else first + n - 1  # a verify lane samples every row
             temperature[w.slot], top_p[w.slot] = float(params.temperature), float(params.top_p)
             top_k[w.slot], seed[w.slot] = params.top_k or 0, w.request.seed
             if scores_prompt(w):  # row i is scored against the prompt token after it
                 target[first : first + n] = (w.request.prompt_ids[w.start_pos + 1 : w.start_pos + n + 1] + [0])[:n]
+        if shape.verify:  # the verify head reads each row's slot from `target`
+            target = row_slot
         long, dev = torch.int64, self.device
         return StepInputs(
             torch.tensor(idx, dtype=long, device=dev),
@@ -125,12 +145,13 @@ class Runner:
             torch.tensor(target, dtype=long, device=dev),
         )
 
-    def probe_inputs(self, rows: int, length: int) -> tuple[torch.Tensor, ...]:
+    def probe_inputs(self, rows: int, length: int, verify: bool = False) -> tuple[torch.Tensor, ...]:
         """Step arguments of `rows` rows and `length` entries read in which every row is real, for the
         compile cache's load-time check (a warm-up's rows are all padding, touching scratch entries only):
         lane p feeds slot p the chunk ending at entry length - 1, so it reads what it writes; every other
-        slot decodes one token at a spread position; every sampler setting is on; tokens are random."""
-        B, S, C = self.config.batch_size, self.config.max_seq_length, self.config.prefill_chunk
+        slot decodes one token at a spread position; every sampler setting is on; tokens are random.
+        `verify`: lanes are verify lanes, and `target` is each row's slot (the verify head's input)."""
+        B, S, C = self.config.batch_size, self.config.max_seq_length, self.lane_len(verify)
         lanes, fed = (rows - B) // C, min(C, length)
         generator = torch.Generator().manual_seed(rows * 100_003 + length)
         idx = torch.randint(self.gpt.config.padded_vocab_size, (rows,), generator=generator)
@@ -139,6 +160,8 @@ class Runner:
         row_slot = list(range(B)) + [p for p in range(lanes) for _ in range(C)]
         last = [B + b * C + fed - 1 if b < lanes else b for b in range(B)]
         target = torch.randint(self.gpt.config.padded_vocab_size, (rows,), generator=generator)
+        if verify:
+            target = torch.tensor(row_slot)
         long, dev = torch.int64, self.device
         return (
             idx.to(dev),
@@ -155,7 +178,9 @@ class Runner:
 
     def first_row(self, work: SlotWork) -> int:
         """The step row of a work's first token: its slot's decode row, or the start of its lane."""
-        return work.slot if work.lane is None else self.config.batch_size + work.lane * self.config.prefill_chunk
+        if work.lane is None:
+            return work.slot
+        return self.config.batch_size + work.lane * self.lane_len(bool(work.draft))
 
     def copy_prefixes(self, copies) -> None:
         """Copy cache entries between slots (PrefixCopy: src, dst, start, end), in every layer, in place:
@@ -184,7 +209,8 @@ class Runner:
             start = time.perf_counter()
             # Heads see N rows, not L: every variant once per row count (the ladder's first rung).
             first_rung = shape.length == self.config.ladder[0]
-            self.warm(shape, self.head_variants if first_rung else self.head_variants[:1])
+            heads = tuple(f"verify_{h}" for h in self.head_variants) if shape.verify else self.head_variants
+            self.warm(shape, heads if first_rung else heads[:1])
             seconds[shape.describe(self.config)] = time.perf_counter() - start
         return seconds
 
@@ -192,8 +218,9 @@ class Runner:
         """One empty step of `shape`: the layers run once and each of `heads` on their output (at
         B = 64 a prompt-wide step runs for seconds: not once per head)."""
         head = heads[0] if len(heads) == 1 else heads  # one head: the call the steps make
+        fn = self.verify_fn if shape.verify else self.step_fn
         with torch.no_grad():
-            self.step_fn(*self.inputs_for(StepPlan([]), shape).as_args(), head=head)
+            fn(*self.inputs_for(StepPlan([], verify=shape.verify), shape).as_args(), head=head)
 
     def run(self, plan: StepPlan, head: str | None = None, shape: StepShape | None = None) -> StepResult:
         """One step; returns the sampled token and its logprob for every slot (one host sync), and
@@ -201,9 +228,12 @@ class Runner:
         every slot sampling this step, and every slot asking for logprob alternatives."""
         if head is None:
             head = head_for(plan, None if len(self.head_variants) > 1 else self.head_variants[0])
+        fn = self.verify_fn if plan.verify else self.step_fn
         with torch.no_grad():
             self.copy_prefixes(plan.copies)
-            out = self.step_fn(*self.inputs_for(plan, shape).as_args(), head=head)
+            out = fn(*self.inputs_for(plan, shape).as_args(), head=f"verify_{head}" if plan.verify else head)
+        if plan.verify:
+            return _verify_result(out)
         result = StepResult(out[0].tolist(), out[1].tolist())
         if len(out) > 2:
             result.top = _pairs(out[2], out[3])
@@ -225,6 +255,34 @@ def time_steps(runner: Runner, record) -> None:
             record((shape or runner.shape_for(plan)).describe(runner.config), time.perf_counter() - start)
 
     runner.run = timed
+
+
+def _verify_result(out: tuple) -> StepResult:
+    """A verify head's outputs: (token, logprob) [B], with `_top` (ids, logprobs) [B, K]; then the same per
+    verify row."""
+    half = len(out) // 2
+    result = StepResult(out[0].tolist(), out[1].tolist(), verify_tokens=out[half].tolist())
+    result.verify_logprobs = out[half + 1].tolist()
+    if half > 2:
+        result.top, result.verify_top = _pairs(out[2], out[3]), _pairs(out[half + 2], out[half + 3])
+    return result
+
+
+def program_stats(runner: Runner) -> dict:
+    """The step programs' counters (compile.step.program_stats), the verify program's added in."""
+    stats = step_program_stats(runner.step_fn)
+    if runner.verify_fn is None:
+        return stats
+    for name, value in step_program_stats(runner.verify_fn).items():
+        if name == "fallbacks":  # this process's, not a program's: counted once already
+            continue
+        if isinstance(value, dict):
+            stats[name] = dict(stats[name])
+            for key, n in value.items():
+                stats[name][key] = stats[name].get(key, 0) + n if isinstance(n, (int, float)) else n
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            stats[name] = stats[name] + value
+    return stats
 
 
 def _pairs(ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[tuple[int, float]]]:

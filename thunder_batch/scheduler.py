@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from thunder_batch.request import Request
 
@@ -13,7 +13,9 @@ from thunder_batch.request import Request
 class SlotWork:
     """Tokens one slot feeds this step, from position `start_pos`: one token through the slot's
     decode row (`lane` None), or up to a chunk through prefill lane `lane`. `samples` is True when
-    they are all of the request's pending tokens, so the token sampled after them is a real output."""
+    they are all of the request's pending tokens, so the token sampled after them is a real output.
+    In a verify step (`StepPlan.verify`) a drafting slot's `lane` is a verify lane and `token_ids` are
+    its pending token then `draft`, the guessed tokens after it (see drafts.py)."""
 
     slot: int
     request: Request
@@ -21,6 +23,7 @@ class SlotWork:
     start_pos: int
     samples: bool
     lane: int | None = None
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,11 @@ class PrefixCopy:
 class StepPlan:
     work: list[SlotWork]
     copies: tuple[PrefixCopy, ...] = ()  # done, in order, before the step runs
+    verify: bool = False  # lanes are verify lanes (drafts checked), not prefill lanes
 
     @property
     def busy_lanes(self) -> int:
-        """Prefill lanes this step feeds (0: every slot feeds its decode row)."""
+        """Prefill (or verify) lanes this step feeds (0: every slot feeds its decode row)."""
         return sum(w.lane is not None for w in self.work)
 
     @property

@@ -1,7 +1,9 @@
 """Benchmark workloads: which token ids each request sends, how many tokens it asks for, and when.
 
-Two datasets: `prompts` (the shipped real prompts in data/prompts.jsonl, rendered through the
-model's chat prompt style) and `random` (random token ids). Prompt and output lengths come from
+Three datasets: `prompts` (the shipped real prompts in data/prompts.jsonl, rendered through the
+model's chat prompt style), `grounded` (data/grounded.jsonl: chat prompts holding a passage to repeat,
+summarize or edit, where speculative decoding's prompt lookup finds its drafts) and `random` (random
+token ids). Prompt and output lengths come from
 seeded distributions; arrival times are all 0 (offline) or a Poisson process (online).
 """
 
@@ -13,7 +15,7 @@ import random
 from dataclasses import dataclass
 from importlib import resources
 
-DATASETS = ("prompts", "random")
+DATASETS = ("prompts", "random", "grounded")
 
 
 @dataclass(frozen=True)
@@ -24,9 +26,10 @@ class BenchRequest:
     arrival_s: float = 0.0  # seconds after the start of the run
 
 
-def load_prompts() -> list[str]:
-    """The shipped prompts (questions and instructions, short and long)."""
-    text = resources.files("thunder_batch").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
+def load_prompts(dataset: str = "prompts") -> list[str]:
+    """The shipped prompts of a dataset: "prompts" (questions and instructions, short and long) or
+    "grounded" (a passage to repeat, summarize or edit)."""
+    text = resources.files("thunder_batch").joinpath(f"data/{dataset}.jsonl").read_text(encoding="utf-8")
     return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
 
 
@@ -60,9 +63,9 @@ def random_prompts(rng: random.Random, n: int, input_len: int, range_ratio: floa
     return [[rng.randrange(vocab_size) for _ in range(length)] for length in uniform_lengths(rng, n, low, high)]
 
 
-def real_prompts(rng: random.Random, n: int, encode) -> list[list[int]]:
-    """n of the shipped prompts in a seeded order (cycled when n > 64), as token ids via `encode`."""
-    texts = load_prompts()
+def real_prompts(rng: random.Random, n: int, encode, dataset: str = "prompts") -> list[list[int]]:
+    """n of the shipped prompts in a seeded order (cycled when n is larger), as token ids via `encode`."""
+    texts = load_prompts(dataset)
     rng.shuffle(texts)
     return [list(encode(texts[i % len(texts)])) for i in range(n)]
 
@@ -97,7 +100,7 @@ def build_workload(
     else:
         if encode is None:
             raise ValueError("the prompts dataset needs a tokenizer (encode); use --dataset random without one")
-        prompts = real_prompts(rng, num_requests, encode)
+        prompts = real_prompts(rng, num_requests, encode, dataset)
     outputs = output_lengths(rng, num_requests, max_new_tokens, range_ratio)
     arrivals = poisson_arrivals(rng, num_requests, request_rate)
     if max_seq_length is not None:

@@ -11,7 +11,7 @@ from thunder_batch.cli.options import ModelOptions
 
 
 def bench(
-    dataset: Literal["prompts", "random", "multi-turn", "shared-prefix"] = "prompts",
+    dataset: Literal["prompts", "grounded", "random", "multi-turn", "shared-prefix"] = "prompts",
     num_requests: int = 32,
     max_new_tokens: int = 64,
     input_len: int = 128,
@@ -25,6 +25,7 @@ def bench(
     turns: int = 8,
     repeats: int = 1,
     prefix_reuse: bool = True,
+    speculative_tokens: str = "0",
     request_rate: float = math.inf,
     seed: int = 0,
     ignore_eos: bool = False,
@@ -45,7 +46,8 @@ def bench(
     batched_generate_fn on the same requests and weights; greedy tokens are checked across systems.
 
     Args:
-        dataset: "prompts": the shipped real prompts (chat template applied); "random": random token ids;
+        dataset: "prompts": the shipped real prompts (chat template applied); "grounded": shipped chat
+            prompts holding a passage to repeat, summarize or edit; "random": random token ids;
             "multi-turn": `num_requests` conversations of `turns` turns, each turn the conversation so far
             and `input_len` new user tokens; "shared-prefix": `num_requests` requests at once sharing an
             `input_len`-token system prompt, each with 40 tokens of its own, and a control workload
@@ -67,6 +69,10 @@ def bench(
         repeats: Runs of each multi-turn / shared-prefix workload with reuse off and on, alternating; the
             fastest of each is compared (the machine's noise).
         prefix_reuse: Engines keep their slots' caches for prompts sharing a prefix (the other datasets).
+        speculative_tokens: Comma-separated draft lengths k, e.g. "0,4,8": other than "0", runs the
+            engine systems of `systems` (thunder-default when none is named) at each batch size and each
+            k on the dataset, greedy, and reports decode tok/s, tokens per decode step, the drafts'
+            acceptance rate and whether every request's tokens equal those of k = 0.
         request_rate: Requests per second of a Poisson arrival process; inf sends all at once (offline).
         seed: Seed of the workload (lengths, random tokens, prompt order, arrival times).
         ignore_eos: Generate exactly each request's token limit, ignoring the end-of-sequence token.
@@ -97,6 +103,7 @@ def bench(
     from thunder_batch.bench.prefix import PREFIX_DATASETS
     from thunder_batch.bench.prefix_run import run_prefix_benchmark
     from thunder_batch.bench.run import run_benchmark
+    from thunder_batch.bench.speculative import parse_ks, run_speculative_benchmark
     from thunder_batch.chat import prompt_style_for
     from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
 
@@ -106,6 +113,10 @@ def bench(
     gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=model.dtype, device=device)
     if dataset in PREFIX_DATASETS:
         run_prefix_benchmark(gpt, tokenizer, dict(options, turns=turns, repeats=repeats))
+        return
+    ks = parse_ks(speculative_tokens)
+    if ks != [0]:
+        run_speculative_benchmark(gpt, tokenizer, prompt_style_for(config, checkpoint_dir), dict(options, ks=ks))
         return
     run_benchmark(
         gpt, tokenizer, prompt_style_for(config, checkpoint_dir), model_label=Path(checkpoint_dir).name, **options

@@ -48,6 +48,9 @@ class EngineOptions(ModelOptions):
         cache_dir: Compile cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
         prefix_reuse: Keep each slot's cache after its request and compute only the part of a new prompt
             past the prefix a slot already holds (a conversation's next turn, a shared system prompt).
+        speculative_tokens: Speculative decoding: a decoding slot whose last tokens occurred earlier in its
+            prompt or output proposes up to this many tokens that followed them, checked in one step
+            (outputs are unchanged: greedy and seeded tokens equal those of 0). 0: off.
     """
 
     batch_size: int = 8
@@ -59,6 +62,7 @@ class EngineOptions(ModelOptions):
     compile: Literal["thunder", "eager"] = "thunder"
     cache_dir: str | None = None
     prefix_reuse: bool = True
+    speculative_tokens: int = 0
 
     def engine_config(self):
         from thunder_batch.config import EngineConfig
@@ -73,6 +77,7 @@ class EngineOptions(ModelOptions):
             compile=self.compile,
             cache_dir=self.cache_dir,
             prefix_reuse=self.prefix_reuse,
+            speculative_tokens=self.speculative_tokens,
         )
 
     def load_engine(self, device="cpu"):

@@ -1,0 +1,138 @@
+"""`thunder-batch bench --speculative_tokens 0,4,8`: the same requests through one engine per
+(system, batch size, k), greedy; per run the decode rate, tokens per decode step, the drafts'
+acceptance rate, and whether every request's tokens equal those of k = 0 (speculative decoding is exact)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def parse_ks(text) -> list[int]:
+    """ "0,4,8" -> [0, 4, 8] (k = 0 first: the baseline every other k is compared with)."""
+    ks = sorted({int(k) for k in str(text).split(",") if k.strip()})
+    if not ks or ks[0] < 0:
+        raise ValueError(f"speculative_tokens must be a comma list of ints >= 0, got {text!r}")
+    return ks if ks[0] == 0 else [0, *ks]
+
+
+def is_decode_step(engine) -> bool:
+    """Whether the next step feeds no prompt token: every busy slot decodes and nothing waits for a free slot."""
+    scheduler = engine.scheduler
+    busy = [r for r in scheduler.slots if r is not None]
+    admits = scheduler.waiting and len(busy) < len(scheduler.slots)
+    return not admits and all(len(r.pending_ids()) == 1 for r in busy)
+
+
+def run_once(engine, workload, ignore_eos: bool) -> dict:
+    """Every request of the workload at once, greedy; the decode steps timed apart."""
+    from thunder_batch.config import SamplingParams
+
+    requests = [
+        engine.submit(list(r.prompt_ids), SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=ignore_eos))
+        for r in workload
+    ]
+    steps = decode_steps = decode_tokens = 0
+    decode_s = 0.0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        decode = is_decode_step(engine)
+        before = time.perf_counter()
+        outputs = engine.step()
+        if decode:
+            decode_s += time.perf_counter() - before
+            decode_steps += 1
+            decode_tokens += sum(len(o.token_ids) for o in outputs)
+        steps += 1
+    wall = time.perf_counter() - start
+    return dict(
+        wall_s=wall,
+        steps=steps,
+        generated_tokens=sum(len(r.output_ids) for r in requests),
+        decode_steps=decode_steps,
+        decode_tok_s=decode_tokens / decode_s if decode_s else 0.0,
+        tokens_per_decode_step=decode_tokens / decode_steps if decode_steps else 0.0,
+        tokens=[list(r.output_ids) for r in requests],
+    )
+
+
+def run_speculative_bench(
+    gpt, tokenizer, workload, systems: dict, base: dict, ks: list[int], batch_sizes, opts
+) -> list:
+    """One row per (system, B, k): the run's numbers and its ratios to k = 0 at the same system and B.
+    base: EngineConfig fields shared by every run."""
+    from thunder_batch.config import EngineConfig
+    from thunder_batch.engine import Engine
+
+    rows = []
+    for name, overrides in systems.items():
+        for batch_size in batch_sizes:
+            baseline = None
+            for k in ks:
+                lanes = min(base["prefill_lanes"], batch_size)
+                fields = dict(base, prefill_lanes=lanes, batch_size=batch_size, speculative_tokens=k)
+                config = EngineConfig(**fields, **overrides)
+                engine = Engine(gpt, config, tokenizer=tokenizer)
+                engine.warmup()
+                run = run_once(engine, workload, opts["ignore_eos"])
+                spec = engine.stats().get("speculative", {})
+                baseline = baseline or run
+                rows.append(_row(name, batch_size, k, run, spec, baseline))
+                print(f"[speculative bench] {json.dumps(rows[-1])}", file=sys.stderr)
+                del engine
+    return rows
+
+
+def _row(system: str, batch_size: int, k: int, run: dict, spec: dict, baseline: dict) -> dict:
+    return dict(
+        system=system,
+        batch_size=batch_size,
+        speculative_tokens=k,
+        decode_tok_s=round(run["decode_tok_s"], 2),
+        decode_speedup=round(run["decode_tok_s"] / baseline["decode_tok_s"], 3) if baseline["decode_tok_s"] else None,
+        wall_s=round(run["wall_s"], 3),
+        wall_speedup=round(baseline["wall_s"] / run["wall_s"], 3),
+        tokens_per_decode_step=round(run["tokens_per_decode_step"], 3),
+        acceptance_rate=round(spec["accepted_tokens"] / spec["draft_tokens"], 3) if spec.get("draft_tokens") else 0.0,
+        verify_steps=spec.get("verify_steps", 0),
+        steps=run["steps"],
+        generated_tokens=run["generated_tokens"],
+        tokens_equal_to_k0=run["tokens"] == baseline["tokens"],
+    )
+
+
+def run_speculative_benchmark(gpt, tokenizer, prompt_style, opts: dict) -> list:
+    """`bench` with --speculative_tokens other than 0: the dataset's workload (prompts, grounded or
+    random) through the engine systems of `systems` (thunder-default when none is named), each batch
+    size of --batch_size, each k; prints one JSON row per run, writes them all to --output_json."""
+    from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
+    from thunder_batch.bench.plan import ALL_SYSTEMS
+    from thunder_batch.bench.prefix_run import engine_overrides
+    from thunder_batch.bench.report import machine_info, write_json
+    from thunder_batch.bench.run import make_workload
+
+    named = [] if opts["systems"] == ",".join(ALL_SYSTEMS) else opts["systems"].split(",")
+    names = [n.split("@")[0] for n in named if n.split("@")[0] in ENGINE_SYSTEMS] or ["thunder-default"]
+    systems = {n: engine_overrides(n, opts["cache_dir"]) for n in names}
+    workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, opts)
+    base = dict(
+        max_seq_length=max_seq_length,
+        prefill_chunk=opts["prefill_chunk"],
+        prefill_lanes=opts["prefill_lanes"],
+        prefix_reuse=opts["prefix_reuse"],
+    )
+    batch_sizes = [int(b) for b in str(opts["batch_size"]).split(",")]
+    rows = run_speculative_bench(gpt, tokenizer, workload, systems, base, opts["ks"], batch_sizes, opts)
+    print(json.dumps(rows, indent=1))
+    if opts["output_json"]:
+        summary = dict(
+            dataset=opts["dataset"],
+            num_requests=len(workload),
+            max_new_tokens=opts["max_new_tokens"],
+            precision=str(gpt.lm_head.weight.dtype).removeprefix("torch."),
+            results=rows,
+            meta=dict(machine_info(gpt.lm_head.weight.device), command=" ".join(sys.argv)),
+        )
+        write_json(summary, opts["output_json"])
+    return rows
