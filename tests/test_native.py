@@ -66,3 +66,15 @@ def test_bf16_packed_linear_is_torchs_result_up_to_the_last_bit(rows, out_featur
     assert got.shape == (2, rows, out_features) and got.dtype == torch.bfloat16
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()  # one rounding to bf16
     assert (got == torch.nn.functional.linear(x, w, b)).float().mean() > 0.95
+
+
+def test_bf16_linears_are_claimed_only_where_a_kernel_runs_them():
+    """An AVX2-only CPU has neither the native bf16 kernel nor oneDNN's bf16 linear: torch's runs there."""
+    from thunder_batch.compile.project_executor import claims_linear, native_bf16, packed_linear
+
+    bf16 = torch.bfloat16
+    runs_here = native_bf16(64) or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert claims_linear("cpu", [bf16, bf16], (64, 64), 4) == runs_here
+    if runs_here:
+        x, w = torch.randn(4, 64, dtype=bf16), torch.randn(64, 64, dtype=bf16)
+        torch.testing.assert_close(packed_linear(x, w), torch.nn.functional.linear(x, w), atol=0.05, rtol=0.02)

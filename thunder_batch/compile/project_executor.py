@@ -8,7 +8,8 @@ reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step
   (float32 accumulation, one rounding: equal to torch's result but for the last bit of a few outputs);
   larger ones stay with torch.
 - bfloat16 elsewhere, any rows: oneDNN's linear on its own blocked layout (`_reorder_linear_weight`),
-  the same result as torch's bit for bit, 1.3-1.5x faster at the rows of a decode step.
+  the same result as torch's bit for bit, 1.3-1.5x faster at the rows of a decode step; only where
+  oneDNN runs bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT: not on an AVX2-only CPU, where torch's run).
 The packed copies live beside the weights (one more copy of each claimed weight) and are redone
 when a weight is changed in place. The eager engine never uses them: they are what compiling adds.
 The same executor also holds the in-place KV cache write ops (`inplace`).
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from thunder_batch import fallbacks
 from thunder_batch._compat import import_thunder
 
 EXECUTOR = "thunder_batch"
@@ -102,10 +104,19 @@ def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bo
     if dtypes[0] == torch.bfloat16:
         if native_bf16(weight_shape[1]):
             return rows <= PACKED_ROWS
-        return torch.backends.mkldnn.is_available()
+        return onednn_bf16()
     from thunder_batch.native.build import unavailable
 
     return dtypes[0] == torch.float32 and rows <= PACKED_ROWS and unavailable() is None
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN's bf16 linear runs on this CPU; where it does not, torch's bf16 linears run (a fallback)."""
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return True
+    why = "oneDNN's bf16 linear needs AVX512-BW/VL/DQ or AVX-NE-CONVERT"
+    fallbacks.report("onednn_bf16", f"{why}: torch's bf16 linears run instead")
+    return False
 
 
 def _claims(x, w, bias=None) -> bool:
