@@ -20,7 +20,7 @@ def test_a_killed_build_leaves_no_lasting_lock(tmp_path):
     assert (build_dir / "thunder_batch.flock").exists()
 
 
-@pytest.mark.skipif("avx512f" not in build.cpu_flags(), reason="the kernels need AVX-512F")
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
 def test_a_fresh_process_builds_past_a_stale_baton_and_a_cut_short_source(tmp_path):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     ask = f"from torch.utils.cpp_extension import _get_build_directory as g; print(g({build.build_name()!r}, False))"
@@ -36,9 +36,12 @@ def test_a_fresh_process_builds_past_a_stale_baton_and_a_cut_short_source(tmp_pa
     assert done.stdout.strip() == "None", done.stderr[-2000:]
 
 
-@pytest.mark.skipif("avx512f" not in build.cpu_flags(), reason="the kernels need AVX-512F")
-@pytest.mark.parametrize("rows,out_features,bias", [(1, 48, True), (5, 37, False), (16, 16, True)])
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+@pytest.mark.parametrize(
+    "rows,out_features,bias", [(1, 48, True), (5, 37, False), (16, 16, True), (7, 1000, True), (130, 40, False)]
+)
 def test_packed_linear_matches_torch(rows, out_features, bias):
+    """Every tile of rows and blocks, a partial last block, several L2 groups of blocks (AVX2 path)."""
     assert build.unavailable() is None
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(2, rows, 64, generator=g)  # [batch, rows, in]

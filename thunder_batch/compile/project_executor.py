@@ -2,8 +2,9 @@
 
 It claims `linear` on CPU and runs it from a copy of the weight packed once, in the layout the kernel
 reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step's linears"):
-- float32, at most PACKED_ROWS rows: the project's kernel (thunder_batch.native), 2.5-4x torch's;
-  larger float32 linears stay with torch.
+- float32, at most `packed_rows()` rows: the project's kernel (thunder_batch.native), 2.5-4x torch's
+  at decode rows; larger float32 linears stay with torch. On AVX-512F torch's GEMM is as fast above 16
+  rows; on an AVX2-only CPU the kernel is 1.3-3x faster than torch's up to 128 rows (prefill lanes too).
 - bfloat16 on a CPU with AVX512-BF16, at most PACKED_ROWS rows: the project's `vdpbf16ps` kernel
   (float32 accumulation, one rounding: equal to torch's result but for the last bit of a few outputs);
   larger ones stay with torch.
@@ -29,7 +30,8 @@ from thunder_batch._compat import import_thunder
 
 EXECUTOR = "thunder_batch"
 LINEAR = "thunder_batch_packed_linear"
-PACKED_ROWS = 16  # float32: above this torch's GEMM is as fast (benchmarks/RESULTS.md)
+PACKED_ROWS = 16  # AVX-512: above this torch's GEMM is as fast (benchmarks/RESULTS.md)
+PACKED_ROWS_AVX2 = 128  # float32 on AVX2 without AVX-512F: torch's GEMM is slower up to here (RESULTS.md)
 
 
 def project_executor():
@@ -97,8 +99,8 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bool:
     """Which linears the executor takes: CPU, one dtype throughout, a 2-D weight, and either at most
-    PACKED_ROWS rows for a native kernel (fp32; bf16 where the CPU has AVX512-BF16), or bf16 at any rows
-    on oneDNN's packed layout where the native bf16 kernel does not run."""
+    `packed_rows()` rows for the native fp32 kernel, at most PACKED_ROWS for the native bf16 one (where
+    the CPU has AVX512-BF16), or bf16 at any rows on oneDNN's packed layout where that kernel does not run."""
     if device_type != "cpu" or len(set(dtypes)) != 1 or len(weight_shape) != 2:
         return False
     if dtypes[0] == torch.bfloat16:
@@ -107,7 +109,14 @@ def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bo
         return onednn_bf16()
     from thunder_batch.native.build import unavailable
 
-    return dtypes[0] == torch.float32 and rows <= PACKED_ROWS and unavailable() is None
+    return dtypes[0] == torch.float32 and rows <= packed_rows() and unavailable() is None
+
+
+def packed_rows() -> int:
+    """The most rows a float32 linear runs on the native kernel: its AVX-512F or its AVX2 path."""
+    from thunder_batch.native.build import cpu_flags
+
+    return PACKED_ROWS if "avx512f" in cpu_flags() else PACKED_ROWS_AVX2
 
 
 def onednn_bf16() -> bool:

@@ -2,7 +2,7 @@
 
 The build lands in torch's extension dir ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions),
 named by a hash of the source and flags, so a later process loads it in milliseconds. On a CPU
-without AVX-512, or a machine without a compiler, `unavailable()` says why and callers keep torch's
+without AVX2 and FMA, or a machine without a compiler, `unavailable()` says why and callers keep torch's
 own kernels.
 """
 
@@ -23,7 +23,9 @@ from thunder_batch import fallbacks
 
 SOURCE = Path(__file__).with_name("packed_linear.cpp")
 # -fopenmp: torch's own libgomp has the same soname, so the kernels share its OpenMP thread pool.
-FLAGS = ["-O3", "-mavx512f", "-fopenmp"]
+# No -m flags: each kernel names its instruction set (AVX-512F, AVX512-BF16, AVX2 + FMA) and the fp32
+# kernel picks its path from the CPU per call, so one build runs on every x86-64 CPU with AVX2.
+FLAGS = ["-O3", "-fopenmp"]
 # torch's builder waits, forever, while this file exists in the build dir; a build killed midway
 # (Ctrl-C, a timeout) leaves it behind.
 TORCH_BATON = "lock"
@@ -79,8 +81,8 @@ def copy_source(build_dir: Path) -> Path:
 
 
 def _build_and_load() -> str | None:
-    if "avx512f" not in cpu_flags():
-        return "this CPU has no AVX-512F"
+    if not {"avx2", "fma"} <= cpu_flags():
+        return "this CPU has no AVX2 and FMA"
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 

@@ -4,8 +4,9 @@
 // output features, [ceil(O/16), I, 16]: one 64-byte load holds 16 outputs' weights for one input, so
 // the whole matrix is read as one sequential stream, each value once, multiplied by every row of x
 // (a broadcast x[r, i]) into accumulators that hold 16 outputs each: no horizontal sums. Blocks of
-// outputs are split across threads (torch's OpenMP pool). AVX-512F; callers check the CPU first.
-// Each output is one float32 FMA chain over the inputs in order.
+// outputs are split across threads (torch's OpenMP pool). AVX-512F, or AVX2 + FMA (a block as two ymm,
+// chosen per call from the CPU; callers check for AVX2 + FMA first). Each output is one float32 FMA chain
+// over the inputs in order, on both paths: the same result to the bit.
 //
 // bfloat16 (AVX512-BF16 only, `packed_linear_bf16`): the weight is packed as [ceil(O/16), I/2, 16, 2],
 // one 64-byte load holding 16 outputs' weights for two consecutive inputs, the layout `vdpbf16ps`
@@ -20,13 +21,18 @@
 #include <cstring>
 #include <torch/library.h>
 
+#define AVX512 __attribute__((target("avx512f")))
+#define AVX2 __attribute__((target("avx2,fma")))
+// Unrolled in full, the accumulator arrays live in registers (g++ 12 otherwise stores them every step).
+#define UNROLL _Pragma("GCC unroll 16")
+
 namespace {
 
-constexpr int64_t kBlock = 16;  // output features per packed block (one zmm of float32)
+constexpr int64_t kBlock = 16;  // output features per packed block (one zmm of float32, two ymm)
 
 // acc[r][b]: outputs of block (blk0 + b) for row (m0 + r); R rows x NB blocks of accumulators.
 template <int R, int NB>
-void tile(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t m0, float* y, int64_t O) {
+AVX512 void tile(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t m0, float* y, int64_t O) {
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -48,20 +54,72 @@ void tile(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t 
 
 // Rows per tile and blocks per tile: measured best on a 2-core AVX-512 machine (benchmarks/RESULTS.md).
 template <int R, int NB>
-void tiles(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t blk1, int64_t m0, float* y,
+AVX512 void tiles(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t blk1, int64_t m0, float* y,
            int64_t O) {
   int64_t blk = blk0;
   for (; blk + NB <= blk1; blk += NB) tile<R, NB>(x, I, packed, blk, m0, y, O);
   for (; blk < blk1; ++blk) tile<R, 1>(x, I, packed, blk, m0, y, O);
 }
 
-void rows(const float* x, int64_t M, int64_t I, const float* packed, int64_t blk0, int64_t blk1, float* y,
+AVX512 void rows(const float* x, int64_t M, int64_t I, const float* packed, int64_t blk0, int64_t blk1, float* y,
           int64_t O) {
   int64_t m = 0;
   for (; m + 8 <= M; m += 8) tiles<8, 2>(x, I, packed, blk0, blk1, m, y, O);
   for (; m + 4 <= M; m += 4) tiles<4, 4>(x, I, packed, blk0, blk1, m, y, O);
   for (; m + 2 <= M; m += 2) tiles<2, 2>(x, I, packed, blk0, blk1, m, y, O);
   for (; m < M; ++m) tiles<1, 4>(x, I, packed, blk0, blk1, m, y, O);
+}
+
+// AVX2 + FMA: acc[r][2b + h] holds outputs 8h..8h+7 of block (blk0 + b) for row (m0 + r); 16 ymm
+// registers hold R * NB * 2 accumulators, the weights of one input and a broadcast x.
+AVX2 inline void store_avx2(float* y, __m256 v, int64_t n) {  // the first n (<= 8, maybe <= 0) floats of v
+  if (n >= 8) return _mm256_storeu_ps(y, v);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::max<int64_t>(n, 0))), lane), v);
+}
+
+template <int R, int NB>
+AVX2 void tile_avx2(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t m0, float* y, int64_t O) {
+  __m256 acc[R][2 * NB];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int v = 0; v < 2 * NB; ++v) acc[r][v] = _mm256_setzero_ps();
+  const float* base = packed + blk0 * I * kBlock;
+  for (int64_t i = 0; i < I; ++i) {
+    __m256 wv[2 * NB];
+    UNROLL for (int v = 0; v < 2 * NB; ++v) wv[v] = _mm256_loadu_ps(base + ((v / 2) * I + i) * kBlock + (v % 2) * 8);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + (m0 + r) * I + i);
+      UNROLL for (int v = 0; v < 2 * NB; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+    }
+  }
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int v = 0; v < 2 * NB; ++v) {
+      const int64_t o = (blk0 + v / 2) * kBlock + (v % 2) * 8;
+      store_avx2(y + (m0 + r) * O + o, acc[r][v], O - o);
+    }
+}
+
+template <int R, int NB>
+AVX2 void tiles_avx2(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t blk1, int64_t m0,
+                     float* y, int64_t O) {
+  int64_t blk = blk0;
+  for (; blk + NB <= blk1; blk += NB) tile_avx2<R, NB>(x, I, packed, blk, m0, y, O);
+  for (; blk < blk1; ++blk) tile_avx2<R, 1>(x, I, packed, blk, m0, y, O);
+}
+
+// Row groups of at most 4 (the accumulators of 8 rows would not fit in 16 registers) take turns on
+// a group of blocks small enough to stay in L2, so each weight comes from memory once.
+AVX2 void rows_avx2(const float* x, int64_t M, int64_t I, const float* packed, int64_t blk0, int64_t blk1,
+                    float* y, int64_t O) {
+  const int64_t group = std::max<int64_t>(1, (128 << 10) / (I * kBlock * int64_t(sizeof(float))));
+  for (int64_t g0 = blk0; g0 < blk1; g0 += group) {
+    const int64_t g1 = std::min(blk1, g0 + group);
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) tiles_avx2<6, 1>(x, I, packed, g0, g1, m, y, O);
+    for (; m + 4 <= M; m += 4) tiles_avx2<4, 1>(x, I, packed, g0, g1, m, y, O);
+    for (; m + 2 <= M; m += 2) tiles_avx2<2, 2>(x, I, packed, g0, g1, m, y, O);
+    for (; m < M; ++m) tiles_avx2<1, 4>(x, I, packed, g0, g1, m, y, O);
+  }
 }
 
 at::Tensor pack_linear_weight(const at::Tensor& w) {
@@ -88,7 +146,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (O + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(4, (32 << 10) / (I * kBlock * int64_t(sizeof(float))));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { rows(xp, M, I, wp, b0, b1, yp, O); });
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    if (avx512)
+      rows(xp, M, I, wp, b0, b1, yp, O);
+    else
+      rows_avx2(xp, M, I, wp, b0, b1, yp, O);
+  });
   if (bias.has_value()) y.add_(*bias);
   auto shape = x.sizes().vec();
   shape.back() = O;
