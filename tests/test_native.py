@@ -52,10 +52,11 @@ def test_packed_linear_matches_torch(rows, out_features, bias):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(
-    not {"avx512_bf16", "avx512bw", "avx512vl"} <= build.cpu_flags(), reason="the bf16 kernel needs AVX512-BF16"
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+@pytest.mark.parametrize(
+    "rows,out_features,bias",
+    [(1, 48, True), (5, 37, False), (16, 16, True), (3, 1000, False), (1, 1000, True), (130, 40, True)],
 )
-@pytest.mark.parametrize("rows,out_features,bias", [(1, 48, True), (5, 37, False), (16, 16, True), (3, 1000, False)])
 def test_bf16_packed_linear_is_torchs_result_up_to_the_last_bit(rows, out_features, bias):
     """float32 accumulation of exact bf16 products, rounded once: within one bf16 rounding of the exact
     product, and torch's own bf16 result for nearly every output (they differ in summation order only)."""
@@ -72,7 +73,7 @@ def test_bf16_packed_linear_is_torchs_result_up_to_the_last_bit(rows, out_featur
 
 
 def test_bf16_linears_are_claimed_only_where_a_kernel_runs_them():
-    """An AVX2-only CPU has neither the native bf16 kernel nor oneDNN's bf16 linear: torch's runs there."""
+    """The native bf16 kernel (vdpbf16ps, or widening on AVX2) or oneDNN's bf16 linear; else torch's."""
     from thunder_batch.compile.project_executor import claims_linear, native_bf16, packed_linear
 
     bf16 = torch.bfloat16
@@ -81,3 +82,25 @@ def test_bf16_linears_are_claimed_only_where_a_kernel_runs_them():
     if runs_here:
         x, w = torch.randn(4, 64, dtype=bf16), torch.randn(64, 64, dtype=bf16)
         torch.testing.assert_close(packed_linear(x, w), torch.nn.functional.linear(x, w), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+def test_packed_copies_follow_their_weights():
+    """A weight changed in place is packed again; a weight that dies takes its packed copy with it."""
+    import gc
+
+    from thunder_batch.compile.project_executor import PackedWeights, packed_linear
+
+    weights = PackedWeights()
+    w, x = torch.randn(32, 64), torch.randn(3, 64)
+    first, kernel = weights.get(w)
+    assert weights.get(w)[0] is first  # made once
+    torch.testing.assert_close(kernel(x, first, None, 32), x @ w.T, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        w.mul_(2)
+    again, _ = weights.get(w)
+    assert again is not first
+    torch.testing.assert_close(packed_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    del w
+    gc.collect()
+    assert weights._packed == {}

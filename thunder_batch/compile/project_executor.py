@@ -8,9 +8,11 @@ reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step
 - bfloat16 on a CPU with AVX512-BF16, at most PACKED_ROWS rows: the project's `vdpbf16ps` kernel
   (float32 accumulation, one rounding: equal to torch's result but for the last bit of a few outputs);
   larger ones stay with torch.
-- bfloat16 elsewhere, any rows: oneDNN's linear on its own blocked layout (`_reorder_linear_weight`),
-  the same result as torch's bit for bit, 1.3-1.5x faster at the rows of a decode step; only where
-  oneDNN runs bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT: not on an AVX2-only CPU, where torch's run).
+- bfloat16 where oneDNN runs bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT) but the CPU lacks AVX512-BF16,
+  any rows: oneDNN's linear on its own blocked layout (`_reorder_linear_weight`), the same result as
+  torch's bit for bit, 1.3-1.5x faster at the rows of a decode step.
+- bfloat16 on an AVX2-only CPU, any rows: the project's kernel widening the weights to float32 (torch's
+  bf16 GEMM there is 1.3-7x slower; float32 accumulation, one rounding).
 The packed copies live beside the weights (one more copy of each claimed weight) and are redone
 when a weight is changed in place. The eager engine never uses them: they are what compiling adds.
 The same executor also holds the in-place KV cache write ops (`inplace`).
@@ -18,12 +20,14 @@ The same executor also holds the in-place KV cache write ops (`inplace`).
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from thunder_batch import fallbacks
 from thunder_batch._compat import import_thunder
@@ -53,48 +57,53 @@ def project_executor():
 
 
 class PackedWeights:
-    """weight -> its packed copy, made on first use and redone when the weight changes in place
-    (`_version`); an entry goes with its weight."""
+    """weight -> (its packed copy, the kernel that reads it), made on first use and redone when the
+    weight changes in place (`_version`); an entry goes with its weight. A lookup is a dict read: it
+    runs for every linear of every step."""
 
     def __init__(self) -> None:
-        self._packed = WeakIdKeyDictionary()
+        self._packed: dict[int, tuple] = {}  # id(w) -> (weakref to w, w._version, packed, kernel)
 
-    def get(self, w: torch.Tensor) -> torch.Tensor:
-        entry = self._packed.get(w)
-        if entry is None or entry[0] != w._version:
-            entry = (w._version, self._pack(w.detach()))
-            self._packed[w] = entry
-        return entry[1]
+    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, Callable]:
+        entry = self._packed.get(id(w))
+        if entry is None or entry[0]() is not w or entry[1] != w._version:
+            forget = functools.partial(self._packed.pop, id(w), None)
+            entry = (weakref.ref(w, lambda _: forget()), w._version, *self._pack(w.detach()))
+            self._packed[id(w)] = entry
+        return entry[2], entry[3]
 
     @staticmethod
-    def _pack(w: torch.Tensor) -> torch.Tensor:
+    def _pack(w: torch.Tensor) -> tuple[torch.Tensor, Callable]:
         from thunder_batch.native import build
 
-        if w.dtype == torch.bfloat16 and not native_bf16(w.shape[1]):
-            return torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        return build.pack_linear_weight_bf16(w) if w.dtype == torch.bfloat16 else build.pack_linear_weight(w)
+        if w.dtype == torch.float32:
+            return build.pack_linear_weight(w), torch.ops.thunder_batch.packed_linear.default
+        if native_bf16(w.shape[1]):
+            return build.pack_linear_weight_bf16(w), torch.ops.thunder_batch.packed_linear_bf16.default
+        return torch.ops.mkldnn._reorder_linear_weight(w, 1), _onednn_linear
 
 
 PACKED = PackedWeights()  # packed copies of weights, shared by every program of the process
 
 
-def native_bf16(in_features: int) -> bool:
-    """Whether the native bfloat16 kernel runs a linear of this input width here (AVX512-BF16, even width)."""
-    from thunder_batch.native.build import bf16_available
+def _onednn_linear(x, packed, bias, out_features: int):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-    return in_features % 2 == 0 and bf16_available()
+
+def native_bf16(in_features: int) -> bool:
+    """Whether the native bfloat16 kernel runs a linear of this input width (even) here: with `vdpbf16ps`
+    (AVX512-BF16), or widening the weights to float32 (AVX2) where oneDNN has no bf16 linear either."""
+    from thunder_batch.native.build import bf16_available, cpu_flags
+
+    if in_features % 2 or not bf16_available():
+        return False
+    return "avx512_bf16" in cpu_flags() or not _onednn_runs_bf16()
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` from the packed copy of `w` (see the module docstring)."""
-    from thunder_batch.native import build
-
-    packed = PACKED.get(w)
-    if w.dtype == torch.float32:
-        return build.packed_linear(x, packed, bias, w.shape[0])
-    if native_bf16(w.shape[1]):
-        return build.packed_linear_bf16(x, packed, bias, w.shape[0])
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    packed, kernel = PACKED.get(w)
+    return kernel(x, packed, bias, w.shape[0])
 
 
 def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bool:
@@ -105,23 +114,31 @@ def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bo
         return False
     if dtypes[0] == torch.bfloat16:
         if native_bf16(weight_shape[1]):
-            return rows <= PACKED_ROWS
+            return rows <= packed_rows(torch.bfloat16)
         return onednn_bf16()
     from thunder_batch.native.build import unavailable
 
-    return dtypes[0] == torch.float32 and rows <= packed_rows() and unavailable() is None
+    return dtypes[0] == torch.float32 and rows <= packed_rows(torch.float32) and unavailable() is None
 
 
-def packed_rows() -> int:
-    """The most rows a float32 linear runs on the native kernel: its AVX-512F or its AVX2 path."""
+def packed_rows(dtype: torch.dtype) -> float:
+    """The most rows a linear runs on the native kernel, per path (benchmarks/RESULTS.md): on AVX-512
+    torch's GEMM is as fast above PACKED_ROWS; on AVX2 torch's float32 GEMM is slower up to
+    PACKED_ROWS_AVX2 and its bfloat16 one 4-7x slower at any rows."""
     from thunder_batch.native.build import cpu_flags
 
-    return PACKED_ROWS if "avx512f" in cpu_flags() else PACKED_ROWS_AVX2
+    if "avx512f" in cpu_flags():
+        return PACKED_ROWS
+    return PACKED_ROWS_AVX2 if dtype == torch.float32 else math.inf
+
+
+def _onednn_runs_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def onednn_bf16() -> bool:
     """Whether oneDNN's bf16 linear runs on this CPU; where it does not, torch's bf16 linears run (a fallback)."""
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if _onednn_runs_bf16():
         return True
     why = "oneDNN's bf16 linear needs AVX512-BW/VL/DQ or AVX-NE-CONVERT"
     fallbacks.report("onednn_bf16", f"{why}: torch's bf16 linears run instead")

@@ -31,6 +31,7 @@ FLAGS = ["-O3", "-fopenmp"]
 TORCH_BATON = "lock"
 
 
+@functools.cache
 def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -103,8 +104,9 @@ def _build_and_load() -> str | None:
 
 
 def bf16_available() -> bool:
-    """Whether the bfloat16 kernel runs here: the kernels are built and the CPU has AVX512-BF16."""
-    return {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags() and unavailable() is None
+    """Whether the bfloat16 kernel runs here: wherever the kernels are built (AVX512-BF16's `vdpbf16ps`,
+    else AVX2 + FMA on the weights widened to float32)."""
+    return unavailable() is None
 
 
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
@@ -123,5 +125,6 @@ def pack_linear_weight_bf16(w: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
-    """bfloat16 x [..., in] @ w.T (+ bias) from `pack_linear_weight_bf16(w)` -> [..., out_features]; AVX512-BF16."""
+    """bfloat16 x [..., in] @ w.T (+ bias) from `pack_linear_weight_bf16(w)` -> [..., out_features]: float32
+    sums of exact products, rounded once."""
     return torch.ops.thunder_batch.packed_linear_bf16(x, packed, bias, out_features)
