@@ -11,7 +11,7 @@ import pytest
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.compile.cache import CompileCacheWarning
-from thunder_batch.compile.project_executor import PackedLinearMode
+from thunder_batch.compile.project_executor import ProjectKernelsMode
 from thunder_batch.scheduler import StepPlan
 
 from helpers import mixed_prompts, tiny_gpt
@@ -24,13 +24,13 @@ BLOCK_IDX = (("submodule", "block.attn"), ("attr", "block_idx"))
 
 def run(engine: Engine) -> list:
     """Greedy and sampled requests (both heads); tokens and logprobs, bit for bit. An eager engine runs
-    with the kernels the Thunder engines' executor claims (PackedLinearMode), so the two compare exactly."""
+    with the kernels the Thunder engines' executor claims (ProjectKernelsMode), so the two compare exactly."""
     prompts = mixed_prompts(6, [1, 3, 6, 11])
     params = [
         SamplingParams(max_new_tokens=5, temperature=[0.0, 0.9, 0.7][i % 3], top_p=[1.0, 1.0, 0.8][i % 3], seed=i)
         for i in range(6)
     ]
-    with PackedLinearMode() if engine.config.compile == "eager" else contextlib.nullcontext():
+    with ProjectKernelsMode() if engine.config.compile == "eager" else contextlib.nullcontext():
         results = engine.generate(prompts, params)
     return [(r.token_ids, [float(x).hex() for x in r.logprobs]) for r in results]
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
-from thunder_batch.compile.project_executor import PackedLinearMode
+from thunder_batch.compile.project_executor import ProjectKernelsMode
 from thunder_batch.config import ParamError, StepShape
 
 from helpers import litgpt_greedy, mixed_prompts, tiny_gpt
@@ -145,7 +145,9 @@ def test_thunder_every_shape_matches_eager_bit_for_bit(tmp_path):
     results = {}
     for mode in ("eager", "thunder"):
         engine = Engine(tiny_gpt("llama"), EngineConfig(**config, compile=mode, cache_dir=str(tmp_path)))
-        with PackedLinearMode() if mode == "eager" else contextlib.nullcontext():  # the kernels Thunder's executor runs
+        with (
+            ProjectKernelsMode() if mode == "eager" else contextlib.nullcontext()
+        ):  # the kernels Thunder's executor runs
             out = engine.generate(prompts, params)
         results[mode] = [(r.token_ids, [float(x).hex() for x in r.logprobs]) for r in out]
         if mode == "thunder":

@@ -29,8 +29,8 @@ def test_a_fresh_process_builds_past_a_stale_baton_and_a_cut_short_source(tmp_pa
     assert build_dir.startswith(str(tmp_path))
     os.makedirs(build_dir, exist_ok=True)  # torch makes it when asked where it is
     open(os.path.join(build_dir, build.TORCH_BATON), "w").close()
-    with open(os.path.join(build_dir, build.SOURCE.name), "wb") as cut:  # a copy a killed process cut short
-        cut.write(build.SOURCE.read_bytes()[:300])
+    with open(os.path.join(build_dir, build.SOURCES[0].name), "wb") as cut:  # a copy a killed process cut short
+        cut.write(build.SOURCES[0].read_bytes()[:300])
     run = [sys.executable, "-c", "from thunder_batch.native.build import unavailable; print(unavailable())"]
     done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "None", done.stderr[-2000:]
@@ -104,3 +104,29 @@ def test_packed_copies_follow_their_weights():
     del w
     gc.collect()
     assert weights._packed == {}
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_is_torchs_attention(dtype, tol):
+    """Query rows per group over strided cache views, each slot seeing its own prefix; a slot seeing
+    nothing (a padding row) gets zeros. Torch's sdpa is the oracle, float64 the tie-breaker."""
+    from thunder_batch.compile.attention import claims_tensors, decode_attention
+
+    B, G, Q, L, D = 5, 3, 3, 40, 64
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, B, G, L + 7, D, generator=g).to(dtype)
+    k, v = cache[0, :, :, :L], cache[1, :, :, :L]  # [B, G, L, D], rows 7 entries apart at each slot's end
+    q = torch.randn(B, G, Q, D, generator=g).to(dtype)
+    mask = torch.zeros(B, 1, 1, L, dtype=dtype)
+    for b in range(B):
+        mask[b, ..., 3 + 9 * b :] = torch.finfo(dtype).min
+    mask[2] = float("-inf")  # nothing visible
+    assert claims_tensors(q, k, v, attn_mask=mask, scale=0.125)
+    got = decode_attention(q, k, v, attn_mask=mask, scale=0.125)
+    seen = [0, 1, 3, 4]
+    want = torch.nn.functional.scaled_dot_product_attention(q[seen], k[seen], v[seen], mask[seen], scale=0.125)
+    torch.testing.assert_close(got[seen], want, rtol=tol, atol=tol)
+    assert got[2].eq(0).all()
+    assert not claims_tensors(q, k, v, attn_mask=mask.expand(B, 1, Q, L), scale=0.125)  # a mask per row: torch's
+    assert not claims_tensors(q, k, v, attn_mask=None)

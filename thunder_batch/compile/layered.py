@@ -25,7 +25,7 @@ from thunder_batch.compile.fused_region import artifacts_in
 from thunder_batch.compile.fusion import EXECUTOR as FUSION
 from thunder_batch.compile.load_check import checked_call
 from thunder_batch.compile.pieces import SharedTraces, TracedPiece, piece_from_record, trace_piece
-from thunder_batch.compile.project_executor import EXECUTOR, PackedLinearMode
+from thunder_batch.compile.project_executor import EXECUTOR, ProjectKernelsMode
 from thunder_batch.compile.signature import paths_from_json, paths_to_json
 from thunder_batch.program import StepProgram
 
@@ -83,7 +83,7 @@ class LayeredProgram:
         self.calls = 0
         self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
         names = [getattr(ex, "name", None) for ex in options.get("executors", ())]
-        self._eager_linears = PackedLinearMode if EXECUTOR in names else contextlib.nullcontext
+        self._eager_linears = ProjectKernelsMode if EXECUTOR in names else contextlib.nullcontext
         # Heads are not fused: a few ops a step, and fused logits could move a near-tie's argmax.
         executors = [ex for ex in options.get("executors", ()) if ex.name != FUSION]
         self.head_options = dict(options, executors=executors) if FUSION in names else options

@@ -1,4 +1,6 @@
 """The project's own Thunder executor, named "thunder_batch": the ops it claims from traced programs.
+Besides the linears below, a decode step's attention (`attention`) and the in-place KV cache writes
+(`inplace`).
 
 It claims `linear` on CPU and runs it from a copy of the weight packed once, in the layout the kernel
 reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step's linears"):
@@ -15,7 +17,6 @@ reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step
   bf16 GEMM there is 1.3-7x slower; float32 accumulation, one rounding).
 The packed copies live beside the weights (one more copy of each claimed weight) and are redone
 when a weight is changed in place. The eager engine never uses them: they are what compiling adds.
-The same executor also holds the in-place KV cache write ops (`inplace`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from thunder_batch import fallbacks
 from thunder_batch._compat import import_thunder
+from thunder_batch.compile import attention
 
 EXECUTOR = "thunder_batch"
 LINEAR = "thunder_batch_packed_linear"
@@ -53,6 +55,7 @@ def project_executor():
 
         op = executor.register_operator(LINEAR, meta=_linear_meta, fn=packed_linear)
         executor.register_implementation(ltorch.linear, op, checker=_claims)
+    attention.register(executor)
     return executor
 
 
@@ -163,14 +166,16 @@ def _claims_tensors(x, w, bias=None) -> bool:
     return claims_linear(x.device.type, [t.dtype for t in tensors], tuple(w.shape), math.prod(x.shape[:-1]))
 
 
-class PackedLinearMode(TorchFunctionMode):
-    """Eager code with the linears this executor claims in traces run as it runs them: the load-time
-    check of a stored piece compares against it, so both sides run the same kernels."""
+class ProjectKernelsMode(TorchFunctionMode):
+    """Eager code with the linears and attention this executor claims in traces run as it runs them:
+    the load-time check of a stored piece compares against it, so both sides run the same kernels."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and _claims_tensors(*args, **kwargs):
             return packed_linear(*args, **kwargs)
+        if func is F.scaled_dot_product_attention and attention.claims_tensors(*args, **kwargs):
+            return attention.decode_attention(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -1,4 +1,5 @@
-"""Build and load the native kernels once per machine (torch's C++ extension builder, g++ and ninja).
+"""Build and load the native kernels (packed linears, decode attention) once per machine (torch's C++
+extension builder, g++ and ninja).
 
 The build lands in torch's extension dir ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions),
 named by a hash of the source and flags, so a later process loads it in milliseconds. On a CPU
@@ -21,7 +22,7 @@ import torch
 
 from thunder_batch import fallbacks
 
-SOURCE = Path(__file__).with_name("packed_linear.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("packed_linear.cpp", "decode_attention.cpp")]
 # -fopenmp: torch's own libgomp has the same soname, so the kernels share its OpenMP thread pool.
 # No -m flags: each kernel names its instruction set (AVX-512F, AVX512-BF16, AVX2 + FMA) and the fp32
 # kernel picks its path from the CPU per call, so one build runs on every x86-64 CPU with AVX2.
@@ -43,7 +44,7 @@ def cpu_flags() -> set[str]:
 
 def build_name() -> str:
     """Named by content: processes running the same source (from any checkout) share one build."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + repr(FLAGS).encode()).hexdigest()[:16]
     return f"thunder_batch_native_{digest}"
 
 
@@ -66,17 +67,17 @@ def unavailable() -> str | None:
     Unavailable kernels are reported once (fallbacks: torch's linears run instead)."""
     reason = _build_and_load()
     if reason is not None:
-        fallbacks.report("native_kernels", f"native CPU kernels unavailable ({reason}): torch's linears run instead")
+        fallbacks.report("native_kernels", f"native CPU kernels unavailable ({reason}): torch's linears and attention run instead")
     return reason
 
 
-def copy_source(build_dir: Path) -> Path:
-    """The kernel source in the build dir, built from a copy (a checkout's edits never race a build); a
+def copy_source(build_dir: Path, original: Path) -> Path:
+    """A kernel source in the build dir, built from a copy (a checkout's edits never race a build); a
     copy that differs from it (cut short by a killed process) is replaced, atomically."""
-    source = build_dir / SOURCE.name
-    if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
-        partial = build_dir / f".{SOURCE.name}.{os.getpid()}.tmp"
-        shutil.copyfile(SOURCE, partial)
+    source = build_dir / original.name
+    if not source.exists() or source.read_bytes() != original.read_bytes():
+        partial = build_dir / f".{original.name}.{os.getpid()}.tmp"
+        shutil.copyfile(original, partial)
         os.replace(partial, source)
     return source
 
@@ -89,10 +90,10 @@ def _build_and_load() -> str | None:
 
         name = build_name()
         with locked_build_dir(Path(_get_build_directory(name, verbose=False))) as build_dir:
-            source = copy_source(build_dir)
+            sources = [str(copy_source(build_dir, original)) for original in SOURCES]
             load(
                 name=name,
-                sources=[str(source)],
+                sources=sources,
                 build_directory=str(build_dir),
                 extra_cflags=FLAGS,
                 extra_ldflags=["-fopenmp"],
@@ -128,3 +129,8 @@ def packed_linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
     """bfloat16 x [..., in] @ w.T (+ bias) from `pack_linear_weight_bf16(w)` -> [..., out_features]: float32
     sums of exact products, rounded once."""
     return torch.ops.thunder_batch.packed_linear_bf16(x, packed, bias, out_features)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """softmax(q k^T * scale + mask) v: q [B, G, Q <= 16, D], k, v [B, G, L, D], mask [B, 1, 1, L] -> [B, G, Q, D]."""
+    return torch.ops.thunder_batch.decode_attention(q, k, v, mask, scale)

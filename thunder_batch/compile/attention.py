@@ -1,0 +1,78 @@
+"""Decode attention claimed by the project's executor: `scaled_dot_product_attention` of a decode step's
+few query rows per K/V group (q [B, G, Q <= 16, D], an additive mask [B, 1, 1, L]) runs on the native
+kernel (thunder_batch.native: every slot's keys and values read once for all of its group's query
+rows; torch's CPU flash kernel costs 1.3-2x that at these shapes, benchmarks/RESULTS.md). Prefill
+lanes (many query rows, a mask per row) stay with torch's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION = "thunder_batch_decode_attention"
+MAX_QUERIES = 16  # query rows per (slot, group): the kernel keeps them in registers and on its stack
+MAX_HEAD_SIZE = 256
+
+
+def register(executor) -> None:
+    """`decode_attention` as an implementation of Thunder's sdpa, for the calls `_claims` accepts."""
+    import thunder.torch as ltorch
+
+    if ATTENTION not in executor.opmap:
+        op = executor.register_operator(ATTENTION, meta=_meta, fn=decode_attention)
+        executor.register_implementation(ltorch.scaled_dot_product_attention, op, checker=_claims)
+
+
+def claims_attention(device_type: str, dtypes: list, q_shape, k_shape, mask_shape, dropout_p, is_causal) -> bool:
+    """CPU, one float32 or bfloat16 dtype for q, k, v and an additive mask [B, 1, 1, L]; q [B, G, Q, D]
+    with Q <= MAX_QUERIES over k, v [B, G, L, D]; no dropout, no causal flag; the kernels built here."""
+    if device_type != "cpu" or len(set(dtypes)) != 1 or dtypes[0] not in (torch.float32, torch.bfloat16):
+        return False
+    if dropout_p or is_causal or mask_shape is None or len(q_shape) != 4 or len(k_shape) != 4:
+        return False
+    B, G, Q, D = q_shape
+    if tuple(k_shape) != (B, G, k_shape[2], D) or tuple(mask_shape) != (B, 1, 1, k_shape[2]):
+        return False
+    from thunder_batch.native.build import unavailable
+
+    return Q <= MAX_QUERIES and D <= MAX_HEAD_SIZE and unavailable() is None
+
+
+def claims_tensors(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> bool:
+    """The same question on real tensors (eager code run as the executor runs it)."""
+    tensors = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
+    if v.shape != k.shape or any(t.device != q.device for t in tensors):
+        return False
+    mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
+    dtypes = [t.dtype for t in tensors]
+    return claims_attention(q.device.type, dtypes, tuple(q.shape), tuple(k.shape), mask_shape, dropout_p, is_causal)
+
+
+def decode_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> torch.Tensor:
+    """F.scaled_dot_product_attention for a claimed call -> [B, G, Q, D]. Strides are known only now
+    (a trace has none): rows of k, v and the mask must be contiguous, else torch's kernel runs."""
+    if k.stride(-1) != 1 or v.stride() != k.stride() or attn_mask.stride(-1) != 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
+    from thunder_batch.native import build
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return build.decode_attention(q.contiguous(), k, v, attn_mask, scale)
+
+
+def _claims(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> bool:
+    """The executor's checker, on the proxies of a traced sdpa."""
+    from thunder.core.dtypes import to_torch_dtype
+
+    tensors = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
+    if tuple(v.shape) != tuple(k.shape) or any(t.device.type != q.device.type for t in tensors):
+        return False
+    dtypes = [to_torch_dtype(t.dtype) for t in tensors]
+    mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
+    return claims_attention(q.device.type, dtypes, tuple(q.shape), tuple(k.shape), mask_shape, dropout_p, is_causal)
+
+
+def _meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+    from thunder.core.proxies import TensorProxy
+
+    return TensorProxy(like=q, shape=(*q.shape[:-1], v.shape[-1]))

@@ -1,0 +1,154 @@
+// Attention of a decode step's few query rows per K/V head over that head's cache: softmax(q k^T * scale
+// + mask) v, in float32, for float32 or bfloat16 tensors.
+//
+// q: [B, G, Q, D] (the Q = H/G query heads of a group, one position each, folded into rows), k, v:
+// [B, G, L, D] with any stride over L (views of the slot cache's first L entries), mask: additive,
+// [B, 1, 1, L]. Every (slot, group) pair reads its visible keys and values once, for all Q rows: the
+// read of the slot's live cache entries is the whole cost (torch's kernel reads all L entries).
+// Pairs are split across threads (torch's OpenMP pool). AVX2 + FMA.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#define AVX2 __attribute__((target("avx2,fma")))
+
+namespace {
+
+constexpr int64_t kMaxQ = 16, kMaxD = 256;
+constexpr float kHidden = -1e30f;  // a mask value at or below this hides its entry
+
+AVX2 inline float widen(float x) { return x; }
+AVX2 inline float widen(at::BFloat16 x) {
+  uint32_t bits = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+AVX2 inline float dot(const float* a, const float* b, int64_t D) {
+  __m256 s = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_hadd_ps(h, h);
+  float sum = _mm_cvtss_f32(_mm_hadd_ps(h, h));
+  for (; d < D; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// e^x for x <= 0 (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial; ~1 ulp); below -87, ~1e-38.
+AVX2 inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+AVX2 void softmax(float* row, int64_t L) {  // in place
+  float top = row[0];
+  for (int64_t l = 1; l < L; ++l) top = std::max(top, row[l]);
+  __m256 sums = _mm256_setzero_ps();
+  int64_t l = 0;
+  for (; l + 8 <= L; l += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + l), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(row + l, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, sums);
+  float sum = part[0] + part[1] + part[2] + part[3] + part[4] + part[5] + part[6] + part[7];
+  for (; l < L; ++l) sum += (row[l] = std::exp(row[l] - top));
+  const float inv = 1.f / sum;
+  for (l = 0; l < L; ++l) row[l] *= inv;
+}
+
+// One (slot, group): q [Q, D] rows, keys/values [L, D] rows `kv_stride` apart, mask [L] -> out [Q, D].
+// Entries the mask hides (<= kHidden: litgpt's and our masks use -inf or the dtype's lowest value)
+// weigh exactly 0 in the softmax whenever one entry is visible, so they are never read: a slot reads
+// its live entries only. With none visible (an idle or padding row, never read) the output is 0.
+template <typename T>
+AVX2 void attend(const T* q, const T* k, const T* v, const T* mask, int64_t Q, int64_t L, int64_t D,
+                 int64_t kv_stride, float scale, float* scores, int64_t* live, T* out) {
+  float qf[kMaxQ][kMaxD], acc[kMaxQ][kMaxD];
+  for (int64_t r = 0; r < Q; ++r)
+    for (int64_t d = 0; d < D; ++d) qf[r][d] = widen(q[r * D + d]) * scale, acc[r][d] = 0.f;
+  int64_t n = 0;  // visible entries: live[0..n)
+  for (int64_t l = 0; l < L; ++l)
+    if (widen(mask[l]) > kHidden) live[n++] = l;
+  for (int64_t j = 0; j < n; ++j) {  // scores [Q, n]: each key row read once for every query row
+    float kf[kMaxD];
+    for (int64_t d = 0; d < D; ++d) kf[d] = widen(k[live[j] * kv_stride + d]);
+    const float m = widen(mask[live[j]]);
+    for (int64_t r = 0; r < Q; ++r) scores[r * n + j] = dot(qf[r], kf, D) + m;
+  }
+  for (int64_t r = 0; r < Q && n > 0; ++r) softmax(scores + r * n, n);
+  for (int64_t j = 0; j < n; ++j) {  // out [Q, D]: each value row read once
+    float vf[kMaxD];
+    for (int64_t d = 0; d < D; ++d) vf[d] = widen(v[live[j] * kv_stride + d]);
+    for (int64_t r = 0; r < Q; ++r) {
+      const float p = scores[r * n + j];
+      for (int64_t d = 0; d < D; ++d) acc[r][d] += p * vf[d];
+    }
+  }
+  for (int64_t r = 0; r < Q; ++r)
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = T(acc[r][d]);
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
+         at::Tensor& out) {
+  const int64_t B = q.size(0), G = q.size(1), Q = q.size(2), D = q.size(3), L = k.size(2);
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>(), *mp = mask.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * G, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> scores(Q * L);
+    std::vector<int64_t> live(L);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / G, g = p % G;
+      attend<T>(qp + p * Q * D, kp + b * k.stride(0) + g * k.stride(1), vp + b * v.stride(0) + g * v.stride(1),
+                mp + b * mask.stride(0), Q, L, D, k.stride(2), float(scale), scores.data(), live.data(), op + p * Q * D);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "decode_attention: 4-D tensors");
+  const int64_t B = q.size(0), G = q.size(1), Q = q.size(2), D = q.size(3), L = k.size(2);
+  TORCH_CHECK(q.is_contiguous() && Q <= kMaxQ && D <= kMaxD, "decode_attention: contiguous q, Q <= 16, D <= 256");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides() && k.size(0) == B && k.size(1) == G &&
+                  k.size(3) == D && k.stride(3) == 1,
+              "decode_attention: k and v [B, G, L, D] alike, rows contiguous");
+  TORCH_CHECK(mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == 1 && mask.size(3) == L && mask.stride(3) == 1,
+              "decode_attention: mask [B, 1, 1, L]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == mask.scalar_type(), "decode_attention: one dtype");
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat)
+    run<float>(q, k, v, mask, scale, out);
+  else if (q.scalar_type() == at::kBFloat16)
+    run<at::BFloat16>(q, k, v, mask, scale, out);
+  else
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(thunder_batch, CPU, m) { m.impl("decode_attention", decode_attention); }
