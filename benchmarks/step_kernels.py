@@ -4,7 +4,8 @@ the linear layers. The default model (or random weights of its architecture), B 
 Kernels per step are profiler events: top-level aten calls (an aten op called by another one is part
 of it), the project's own kernels, and Inductor's generated kernels (its kernel profiling switched
 on). Linear time: the self time of the linear kernels (aten addmm/mm, oneDNN, the project's packed linears);
-weight bytes / linear time is the bandwidth the matmuls reach.
+weight bytes / linear time is the bandwidth the matmuls reach. The profiled step is also split into
+linears, attention, KV writes, fused regions, other ops and host time (outside every op).
 
     python benchmarks/step_kernels.py --batch-sizes 1,8 --precisions bfloat16,float32 \
         --systems eager,thunder-torch,thunder-default --steps 20
@@ -77,6 +78,25 @@ def decode_engine(gpt, system: str, batch_size: int, max_seq_length: int, cache_
     return engine
 
 
+SPLIT = {  # part of the step -> profiler event names (substrings) of its top-level ops
+    "linears": LINEAR_OPS,
+    "attention": ("scaled_dot_product_attention", "thunder_batch::decode_attention"),
+    "kv_write": ("aten::index_copy_", "aten::copy_"),
+    "fused": ("CompiledFxGraph", "AOTDispatcher"),
+}
+
+
+def split_step(events, wall_s: float) -> dict:
+    """ms of one profiled step per part: SPLIT's, `other_ops` (views, the head's ops) and `host` (the
+    wall time outside every top-level op: Python, Thunder's trace, dispatch between ops)."""
+    parts = dict.fromkeys([*SPLIT, "other_ops"], 0.0)
+    for e in (e for e in events if e.cpu_parent is None):
+        part = next((p for p, names in SPLIT.items() if any(n in e.name for n in names)), "other_ops")
+        parts[part] += e.cpu_time_total / 1e3
+    parts["host"] = 1e3 * wall_s - sum(parts.values())
+    return {p: round(ms, 2) for p, ms in parts.items()}
+
+
 def count_kernels(events) -> tuple[int, float, Counter]:
     """(kernels, linear self-time in seconds, calls per name) of one profiled step: every top-level
     event (an aten op, one of the project's ops, an Inductor kernel) is one launch."""
@@ -99,9 +119,14 @@ def measure(engine, steps: int) -> dict:
         times.append(time.perf_counter() - start)
     torch._inductor.config.cpp.enable_kernel_profile = True
     with profile() as prof:
+        start = time.perf_counter()
         engine.step()
+        wall = time.perf_counter() - start
     kernels, linear_s, calls = count_kernels(prof.events())
-    return dict(step_ms=1e3 * statistics.median(times), kernels=kernels, linear_ms=1e3 * linear_s, top=calls)
+    split = split_step(prof.events(), wall)
+    return dict(
+        step_ms=1e3 * statistics.median(times), kernels=kernels, linear_ms=1e3 * linear_s, top=calls, split=split
+    )
 
 
 def linear_weight_bytes(gpt) -> int:
@@ -136,6 +161,9 @@ def main() -> None:
                     f"{precision:9} B={B:<3} {system:28} step {r['step_ms']:7.1f} ms  tok/s {rate:6.1f}  kernels "
                     f"{r['kernels']:5}  linear {r['linear_ms']:6.1f} ms ({r['linear_gb_s']:4.1f} GB/s)  [{top}]",
                     flush=True,
+                )
+                print(
+                    f"{'':9} profiled step, ms: " + ", ".join(f"{p} {ms}" for p, ms in r["split"].items()), flush=True
                 )
                 del engine
     base = {(r["precision"], r["batch_size"]): r["step_ms"] for r in rows if r["system"] == "eager"}
