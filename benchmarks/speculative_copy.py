@@ -59,16 +59,17 @@ def make_engine(k: int, args) -> Engine:
 
 
 def timed_generate(engine: Engine, params: SamplingParams) -> dict:
-    """One generate: wall seconds, tokens, and the steps / draft counters it added."""
+    """One generate: wall and process CPU seconds (CPU well under threads x wall: the cores were taken
+    by something else), tokens, and the steps / draft counters it added."""
     before = engine.stats()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     [result] = engine.generate([PROMPT], params)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = engine.stats()
     run = dict(
         wall_s=wall, tokens=result.token_ids, finish=result.finish_reason, steps=after["steps"] - before["steps"]
     )
-    run["text"] = result.text or ""
+    run["cpu_s"], run["text"] = cpu, result.text or ""
     run["exact_copy"] = run["text"].strip() == PASSAGE
     run["new_traces"] = sum(after[key] - before[key] for key in ("traced", "thunder_traces", "cache_misses"))
     for name, value in after.get("speculative", {}).items():
@@ -77,7 +78,8 @@ def timed_generate(engine: Engine, params: SamplingParams) -> dict:
 
 
 def describe(run: dict) -> str:
-    text = f"{run['wall_s']:.3f} s, {len(run['tokens'])} tokens ({run['finish']}), {run['steps']} steps"
+    text = f"{run['wall_s']:.3f} s (process CPU {run['cpu_s']:.2f} s), {len(run['tokens'])} tokens ({run['finish']})"
+    text += f", {run['steps']} steps"
     text += f", text == passage: {'yes' if run['exact_copy'] else 'no'}, traced during the run: {run['new_traces']}"
     if "verify_steps" in run:
         text += f", {run['verify_steps']} verify steps, drafts {run['accepted_tokens']}/{run['draft_tokens']} accepted"
@@ -85,17 +87,17 @@ def describe(run: dict) -> str:
 
 
 def summary(name: str, k: int, runs: dict[int, list[dict]]) -> str:
-    """One line: medians, the ratio k=0 / k, identical tokens, and k's steps and acceptance (last run)."""
+    """One line: medians, the ratio k=0 / k, identical tokens, and k's steps and acceptance (each run)."""
     base, spec = (statistics.median(r["wall_s"] for r in runs[key]) for key in (0, k))
     identical = all(r["tokens"] == runs[0][0]["tokens"] for key in (0, k) for r in runs[key])
-    last = runs[k][-1]
     line = (
         f"{name}: k=0 median {base:.3f} s, k={k} median {spec:.3f} s, ratio {base / spec:.2f}x, "
-        f"tokens identical: {'yes' if identical else 'NO'}, steps k=0 {runs[0][-1]['steps']} / k={k} {last['steps']}"
+        f"tokens identical: {'yes' if identical else 'NO'}, steps k=0 {runs[0][-1]['steps']} / "
+        f"k={k} {' '.join(str(r['steps']) for r in runs[k])}"
     )
-    if "verify_steps" in last:
-        accepted, proposed = last["accepted_tokens"], last["draft_tokens"]
-        line += f", drafts accepted {accepted}/{proposed} ({accepted / max(proposed, 1):.0%}) in the last run"
+    if "verify_steps" in runs[k][-1]:
+        drafts = " ".join(f"{r['accepted_tokens']}/{r['draft_tokens']}" for r in runs[k])
+        line += f", verify steps {' '.join(str(r['verify_steps']) for r in runs[k])}, drafts accepted {drafts}"
     return line
 
 
