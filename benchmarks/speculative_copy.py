@@ -1,11 +1,12 @@
 """Speculative decoding on one request that copies a passage: wall time of k drafts vs k = 0.
 
 A chat asking the default model (SmolLM2-135M-Instruct, fp32) to repeat a ~70-word passage word for
-word, B = 1, greedy and seeded (temperature 0.8, seed 123). One engine per k; each is warmed up (every
-step shape made, then one generate per setting) so compile time is excluded, then the two engines run
-alternately, `--reps` times each. Every generate is a whole request (prompt included: prefix reuse is
-off). Prints each run, then one summary line per setting: median wall times, the ratio (k=0 / k), and
-whether the tokens are identical; for k > 0 also the steps, verify steps and drafts accepted / proposed.
+word, B = 1, greedy and seeded (temperature 0.8, seed 123). One engine per k and setting
+(--shared_engine: per k); each is warmed up (every step shape made, then one generate) so compile time
+is excluded, then k=0 and k run alternately, `--reps` times each. Every generate is a whole request
+(prompt included: prefix reuse is off). Prints each run, then one summary line per setting: median wall
+times, the ratio (k=0 / k), and whether the tokens are identical; for k > 0 also the steps, verify
+steps and drafts accepted / proposed.
 
     python benchmarks/speculative_copy.py --max_new_tokens 120 --speculative_tokens 4 --reps 3 \
         --compile thunder --cache_dir /tmp/copy_cc
@@ -38,8 +39,8 @@ def settings(max_new_tokens: int) -> dict[str, SamplingParams]:
     }
 
 
-def make_engine(k: int, args) -> Engine:
-    """An engine with k speculative tokens, every step shape made and each setting run once."""
+def make_engine(k: int, args, names: list[str]) -> Engine:
+    """An engine with k speculative tokens, every step shape made and each of `names` run once."""
     config = EngineConfig(
         batch_size=1,
         max_seq_length=256,
@@ -52,10 +53,22 @@ def make_engine(k: int, args) -> Engine:
     engine = Engine.from_checkpoint(default_checkpoint_dir(), config, dtype=torch.float32)
     start = time.perf_counter()
     engine.warmup()
-    for params in settings(args.max_new_tokens).values():
-        engine.generate([PROMPT], params)
-    print(f"k={k}: warm-up (compile or load, then one generate per setting) {time.perf_counter() - start:.1f} s")
+    for name in names:
+        engine.generate([PROMPT], settings(args.max_new_tokens)[name])
+    print(
+        f"k={k} {'+'.join(names)}: warm-up (compile or load, then a generate each) {time.perf_counter() - start:.1f} s"
+    )
     return engine
+
+
+def make_engines(k: int, args) -> dict[tuple[str, int], Engine]:
+    """(setting, k) -> engine: one per setting (the draft gate's state is per engine, and a seeded
+    request's rejected drafts would close it for the greedy one), or with --shared_engine one per k."""
+    names = list(settings(args.max_new_tokens))
+    if args.shared_engine:
+        shared = {key: make_engine(key, args, names) for key in (0, k)}
+        return {(name, key): shared[key] for name in names for key in (0, k)}
+    return {(name, key): make_engine(key, args, [name]) for name in names for key in (0, k)}
 
 
 def timed_generate(engine: Engine, params: SamplingParams) -> dict:
@@ -108,17 +121,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--compile", default="thunder", choices=["thunder", "eager"])
     parser.add_argument("--cache_dir", default=None, help="compile cache root (default: the engine's)")
+    parser.add_argument("--shared_engine", action="store_true", help="one engine per k for both settings")
     args = parser.parse_args()
     k = args.speculative_tokens
     if k < 1:
         parser.error("--speculative_tokens must be >= 1 (it is compared with k = 0)")
     print(f"torch threads {torch.get_num_threads()}, compile={args.compile}, max_new_tokens={args.max_new_tokens}")
-    engines = {0: make_engine(0, args), k: make_engine(k, args)}
+    engines = make_engines(k, args)
     runs = {name: {0: [], k: []} for name in settings(args.max_new_tokens)}
     for rep in range(args.reps):
-        for key, engine in engines.items():
+        for key in (0, k):  # the engines alternate: k=0 then k, each setting, every repetition
             for name, params in settings(args.max_new_tokens).items():
-                run = timed_generate(engine, params)
+                run = timed_generate(engines[name, key], params)
                 runs[name][key].append(run)
                 print(f"rep {rep} k={key} {name}: {describe(run)}")
     for name, by_k in runs.items():
