@@ -8,7 +8,7 @@ is excluded, then k=0 and k run alternately, `--reps` times each. Every generate
 times, the ratio (k=0 / k), and whether the tokens are identical; for k > 0 also the steps, verify
 steps and drafts accepted / proposed.
 
-    python benchmarks/speculative_copy.py --max_new_tokens 120 --speculative_tokens 4 --reps 3 \
+    python benchmarks/speculative_copy.py --max_new_tokens 120 --speculative_tokens 4 --reps 5 \
         --compile thunder --cache_dir /tmp/copy_cc
 """
 
