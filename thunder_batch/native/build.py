@@ -64,10 +64,11 @@ def locked_build_dir(build_dir: Path) -> Iterator[Path]:
 @functools.cache
 def unavailable() -> str | None:
     """Why the kernels cannot run here, or None once they are built and loaded (once per process).
-    Unavailable kernels are reported once (fallbacks: torch's linears run instead)."""
+    Unavailable kernels are reported once (fallbacks: torch's linears and attention run instead)."""
     reason = _build_and_load()
     if reason is not None:
-        fallbacks.report("native_kernels", f"native CPU kernels unavailable ({reason}): torch's linears and attention run instead")
+        why = f"native CPU kernels unavailable ({reason})"
+        fallbacks.report("native_kernels", f"{why}: torch's linears and attention run instead")
     return reason
 
 
