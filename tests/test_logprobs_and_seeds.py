@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch.compile.project_executor import ProjectKernelsMode
 from thunder_batch.config import MAX_SEED, choice_seed
 from thunder_batch.sampler import batched_sample
 
@@ -144,6 +145,8 @@ def test_logprob_heads_traced_equal_eager_bit_for_bit(thunder_engine):
         return [(r.token_ids, r.logprobs, r.top_logprobs, r.prompt_logprobs, r.prompt_top_logprobs) for r in results]
 
     compiled = thunder_engine("llama")
-    assert everything(compiled.generate(prompts, params)) == everything(eager().generate(prompts, params))
+    with ProjectKernelsMode():  # eager with the kernels Thunder's executor runs (packed linears, decode attention)
+        want = everything(eager().generate(prompts, params))
+    assert everything(compiled.generate(prompts, params)) == want
     assert VOCAB == compiled.vocab_size
     assert {"head-filtered_prompt", "head-filtered_top"} <= set(compiled.stats()["programs"])  # made on first use

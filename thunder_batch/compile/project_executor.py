@@ -111,8 +111,8 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bool:
     """Which linears the executor takes: CPU, one dtype throughout, a 2-D weight, and either at most
-    `packed_rows()` rows for the native fp32 kernel, at most PACKED_ROWS for the native bf16 one (where
-    the CPU has AVX512-BF16), or bf16 at any rows on oneDNN's packed layout where that kernel does not run."""
+    `packed_rows(dtype)` rows for a native kernel (fp32; bf16 with AVX512-BF16, or widened on an AVX2-only
+    CPU), or bf16 at any rows on oneDNN's packed layout where the native bf16 kernel does not run."""
     if device_type != "cpu" or len(set(dtypes)) != 1 or len(weight_shape) != 2:
         return False
     if dtypes[0] == torch.bfloat16:
