@@ -41,12 +41,7 @@ def claims_attention(device_type: str, dtypes: list, q_shape, k_shape, mask_shap
 
 def claims_tensors(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> bool:
     """The same question on real tensors (eager code run as the executor runs it)."""
-    tensors = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
-    if v.shape != k.shape or any(t.device != q.device for t in tensors):
-        return False
-    mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
-    dtypes = [t.dtype for t in tensors]
-    return claims_attention(q.device.type, dtypes, tuple(q.shape), tuple(k.shape), mask_shape, dropout_p, is_causal)
+    return _claims_call(q, k, v, attn_mask, dropout_p, is_causal, dtype_of=lambda t: t.dtype)
 
 
 def decode_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> torch.Tensor:
@@ -64,11 +59,16 @@ def _claims(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=No
     """The executor's checker, on the proxies of a traced sdpa."""
     from thunder.core.dtypes import to_torch_dtype
 
+    return _claims_call(q, k, v, attn_mask, dropout_p, is_causal, dtype_of=lambda t: to_torch_dtype(t.dtype))
+
+
+def _claims_call(q, k, v, attn_mask, dropout_p, is_causal, dtype_of) -> bool:
+    """`claims_attention` for one call's tensors or proxies (`dtype_of`: a torch dtype of either)."""
     tensors = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
     if tuple(v.shape) != tuple(k.shape) or any(t.device.type != q.device.type for t in tensors):
         return False
-    dtypes = [to_torch_dtype(t.dtype) for t in tensors]
     mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
+    dtypes = [dtype_of(t) for t in tensors]
     return claims_attention(q.device.type, dtypes, tuple(q.shape), tuple(k.shape), mask_shape, dropout_p, is_causal)
 
 

@@ -289,15 +289,15 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, con
   const at::Tensor x2 = x.reshape({-1, I}).contiguous();
   const int64_t M = x2.size(0), blocks = (O + kBlock - 1) / kBlock;
   const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
-  at::Tensor b32;  // the bias in float32, zero-padded to whole blocks
-  if (bias.has_value()) {
-    b32 = at::zeros({blocks * kBlock}, x.options().dtype(at::kFloat));
-    b32.narrow(0, 0, O).copy_(*bias);
-  }
-  const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
   const int64_t grain = std::max<int64_t>(4, (32 << 10) / (I * kBlock * int64_t(sizeof(bf16))));
   at::Tensor y;
   if (__builtin_cpu_supports("avx512bf16")) {
+    at::Tensor b32;  // the bias in float32, zero-padded to whole blocks: the accumulators start from it
+    if (bias.has_value()) {
+      b32 = at::zeros({blocks * kBlock}, x.options().dtype(at::kFloat));
+      b32.narrow(0, 0, O).copy_(*bias);
+    }
+    const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
     y = at::empty({M, O}, x.options());
     const bf16* xp = reinterpret_cast<const bf16*>(x2.data_ptr<at::BFloat16>());
     bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
@@ -308,7 +308,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, con
     const float* xp = xf.data_ptr<float>();
     float* yp = yf.data_ptr<float>();
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { rows_bf16_avx2(xp, M, I, wp, b0, b1, yp, O); });
-    if (bias.has_value()) yf.add_(b32.narrow(0, 0, O));
+    if (bias.has_value()) yf.add_(*bias);  // in float32: each bfloat16 bias value is exact there
     y = yf.to(at::kBFloat16);
   }
   auto shape = x.sizes().vec();
