@@ -405,3 +405,36 @@ def test_an_http_process_that_died_leaves_no_count_behind():
     assert state.in_flight() == 1  # the child counted 3 and died without finishing them
     state.add_in_flight(1, 2)  # a new process in that row starts from zero
     assert state.in_flight() == 3
+
+
+def test_an_idle_worker_reads_a_burst_of_requests_together_and_a_busy_one_does_not_wait():
+    """Requests sent at once reach the worker a few ms apart: an idle engine takes them into one first
+    step (one wide prompt step, not several narrow ones while the rest queue); a lone request waits at
+    most GATHER_S more; an engine already stepping takes only what is queued."""
+    import queue
+    import threading
+
+    from thunder_batch.serve.loop import GATHER_S, TAKE_WAIT_S, EngineLoop
+
+    def arriving(n: int, every_s: float) -> queue.Queue:
+        q = queue.Queue()
+
+        def put():
+            for i in range(n):
+                q.put((0, f"r{i}", 0.0, {"prompts": [[1, 2]]}))
+                time.sleep(every_s)
+
+        threading.Thread(target=put, daemon=True).start()
+        return q
+
+    loop, window = EngineLoop(), 0.2  # a wide window here: arrivals on a loaded machine drift by ms
+    burst = loop._take_requests(arriving(6, window / 10), room=8, gather_s=window)
+    assert [uid for _, uid, _, _ in burst] == [f"r{i}" for i in range(6)]
+    capped = loop._take_requests(arriving(6, window / 10), room=4, gather_s=window)
+    assert len(capped) == 4  # never more than the engine has room for
+    busy = loop._take_requests(arriving(6, window / 10), room=8, gather_s=0.0)
+    assert [uid for _, uid, _, _ in busy] == ["r0"]
+    start = time.perf_counter()
+    alone = loop._take_requests(arriving(1, 0.0), room=8, gather_s=window)
+    assert len(alone) == 1 and window <= time.perf_counter() - start < TAKE_WAIT_S + 2 * window
+    assert GATHER_S <= 0.02  # what a lone request to an idle server waits at most
