@@ -6,7 +6,8 @@ It claims `linear` on CPU and runs it from a copy of the weight packed once, in 
 reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step's linears"):
 - float32, at most `packed_rows()` rows: the project's kernel (thunder_batch.native), 2.5-4x torch's
   at decode rows; larger float32 linears stay with torch. On AVX-512F torch's GEMM is as fast above 16
-  rows; on an AVX2-only CPU the kernel is 1.3-3x faster than torch's up to 128 rows (prefill lanes too).
+  rows; on an AVX2-only CPU the kernel is faster than torch's at any rows (1.3-3x at decode rows,
+  1.15-1.3x at a prompt step's 136-520), so it takes them all.
 - bfloat16 on a CPU with AVX512-BF16, at most PACKED_ROWS rows: the project's `vdpbf16ps` kernel
   (float32 accumulation, one rounding: equal to torch's result but for the last bit of a few outputs);
   larger ones stay with torch.
@@ -37,7 +38,6 @@ from thunder_batch.compile import attention
 EXECUTOR = "thunder_batch"
 LINEAR = "thunder_batch_packed_linear"
 PACKED_ROWS = 16  # AVX-512: above this torch's GEMM is as fast (benchmarks/RESULTS.md)
-PACKED_ROWS_AVX2 = 128  # float32 on AVX2 without AVX-512F: torch's GEMM is slower up to here (RESULTS.md)
 
 
 def project_executor():
@@ -111,28 +111,26 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bool:
     """Which linears the executor takes: CPU, one dtype throughout, a 2-D weight, and either at most
-    `packed_rows(dtype)` rows for a native kernel (fp32; bf16 with AVX512-BF16, or widened on an AVX2-only
+    `packed_rows()` rows for a native kernel (fp32; bf16 with AVX512-BF16, or widened on an AVX2-only
     CPU), or bf16 at any rows on oneDNN's packed layout where the native bf16 kernel does not run."""
     if device_type != "cpu" or len(set(dtypes)) != 1 or len(weight_shape) != 2:
         return False
     if dtypes[0] == torch.bfloat16:
         if native_bf16(weight_shape[1]):
-            return rows <= packed_rows(torch.bfloat16)
+            return rows <= packed_rows()
         return onednn_bf16()
     from thunder_batch.native.build import unavailable
 
-    return dtypes[0] == torch.float32 and rows <= packed_rows(torch.float32) and unavailable() is None
+    return dtypes[0] == torch.float32 and rows <= packed_rows() and unavailable() is None
 
 
-def packed_rows(dtype: torch.dtype) -> float:
+def packed_rows() -> float:
     """The most rows a linear runs on the native kernel, per path (benchmarks/RESULTS.md): on AVX-512
-    torch's GEMM is as fast above PACKED_ROWS; on AVX2 torch's float32 GEMM is slower up to
-    PACKED_ROWS_AVX2 and its bfloat16 one 4-7x slower at any rows."""
+    torch's GEMM is as fast above PACKED_ROWS; on AVX2 torch's GEMM is slower at any rows (float32
+    1.15-3x, bfloat16 4-7x)."""
     from thunder_batch.native.build import cpu_flags
 
-    if "avx512f" in cpu_flags():
-        return PACKED_ROWS
-    return PACKED_ROWS_AVX2 if dtype == torch.float32 else math.inf
+    return PACKED_ROWS if "avx512f" in cpu_flags() else math.inf
 
 
 def _onednn_runs_bf16() -> bool:
