@@ -45,3 +45,17 @@ def test_plain_import_thunder_needs_the_patch_and_import_thunder_works():
         text=True,
     )
     assert ours.returncode == 0 and ours.stdout.strip(), ours.stderr[-500:]
+
+
+def test_inductor_graph_call_finds_no_graph_where_there_is_none():
+    """Its real use (a compiled artifact's generated code, called directly, with the wrapped call's
+    outputs) is tested on compiled and loaded regions in test_fusion.py."""
+    from thunder_batch._compat import inductor_graph_call
+
+    def wrapper(x):
+        return plain(x)
+
+    def plain(x):
+        return x + 1
+
+    assert inductor_graph_call(plain) is None and inductor_graph_call(wrapper) is None

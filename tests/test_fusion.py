@@ -192,3 +192,35 @@ def test_a_region_called_with_other_strides_runs_its_torch_ops_and_says_so(tmp_p
         with pytest.warns(fresh_fallbacks.FallbackWarning, match="other strides"):
             assert torch.equal(region(other)[0], other * 2 + 1)
     assert fresh_fallbacks.counts() == {"region_strides": 1}
+
+
+# An output that is a view of the input (AOTAutograd's wrapper makes such views again on every call).
+ROWS_AND_PLUS_ONE = (
+    "import torch\n\ndef fused_region(x):\n"
+    "  return (torch.Tensor.__getitem__(x, (slice(1, None, None),)), torch.add(x, 1))\n"
+)
+
+
+def test_after_its_first_call_a_region_runs_its_generated_code_without_aotautograds_wrapper(tmp_path, monkeypatch):
+    """Compiled or loaded, a region's calls after the first skip AOTAutograd's runtime wrappers (half a
+    small region's host time) with the wrapped call's outputs: equal values, the same views of its input.
+    A direct call that disagrees with the wrapped one on the first call is never used."""
+    from thunder_batch import _compat
+    from thunder_batch.compile.fused_region import artifacts_in, make_region
+
+    x = torch.randn(3, 8)
+    with artifacts_in(tmp_path):
+        for made in (make_region("InductorFusion0", ROWS_AND_PLUS_ONE, {}) for _ in range(2)):  # compiled, loaded
+            outputs = [made(x) for _ in range(3)]
+            assert made.call is not None and made.call is not made.compiled
+            for rows, plus_one in outputs:
+                assert rows.data_ptr() == x[1:].data_ptr() and rows.stride() == x[1:].stride()
+                assert torch.equal(rows, x[1:]) and torch.equal(plus_one, x + 1)
+        assert made.loaded
+
+        monkeypatch.setattr(_compat, "inductor_graph_call", lambda c: lambda *a: [t + 1 for t in c(*a)])
+        disagreeing = make_region("InductorFusion0", ROWS_AND_PLUS_ONE, {})
+        for _ in range(3):
+            rows, plus_one = disagreeing(x)
+            assert torch.equal(rows, x[1:]) and torch.equal(plus_one, x + 1)
+        assert disagreeing.call is disagreeing.compiled

@@ -2,7 +2,8 @@
 
 Two tasks on the worker's event loop, each handing blocking work to a thread:
 - intake takes requests off LitServe's queue only while the engine has room (up to B waiting beside
-  its B slots: the rest stay in LitServe's queue, for whichever worker frees a slot first), tells
+  its B slots: the rest stay in LitServe's queue, for whichever worker frees a slot first; an idle
+  engine takes a burst together, waiting up to GATHER_S for each next request), tells
   the HTTP side at once which worker took each one, tokenizes outside the engine lock, then admits;
 - steps run back to back while requests are in flight. A failed step fails the requests in flight
   (500) and counts towards the worker's health; an unhealthy worker takes no new requests and probes
