@@ -38,7 +38,8 @@ def test_a_fresh_process_builds_past_a_stale_baton_and_a_cut_short_source(tmp_pa
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
 @pytest.mark.parametrize(
-    "rows,out_features,bias", [(1, 48, True), (5, 37, False), (16, 16, True), (7, 1000, True), (130, 40, False), (520, 40, True)]
+    "rows,out_features,bias",
+    [(1, 48, True), (5, 37, False), (16, 16, True), (7, 1000, True), (130, 40, False), (520, 40, True)],
 )
 def test_packed_linear_matches_torch(rows, out_features, bias):
     """Every tile of rows and blocks, a partial last block, several L2 groups of blocks (AVX2 path)."""
