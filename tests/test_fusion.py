@@ -203,8 +203,8 @@ ROWS_AND_PLUS_ONE = (
 
 def test_after_its_first_call_a_region_runs_its_generated_code_without_aotautograds_wrapper(tmp_path, monkeypatch):
     """Compiled or loaded, a region's calls after the first skip AOTAutograd's runtime wrappers (half a
-    small region's host time) with the wrapped call's outputs: equal values, the same views of its input.
-    A direct call that disagrees with the wrapped one on the first call is never used."""
+    small region's host time) with the wrapped call's outputs: equal values, the same views of its input,
+    the same profiler event. A direct call that disagrees with the wrapped one on the first call is never used."""
     from thunder_batch import _compat
     from thunder_batch.compile.fused_region import artifacts_in, make_region
 
@@ -217,6 +217,9 @@ def test_after_its_first_call_a_region_runs_its_generated_code_without_aotautogr
                 assert rows.data_ptr() == x[1:].data_ptr() and rows.stride() == x[1:].stride()
                 assert torch.equal(rows, x[1:]) and torch.equal(plus_one, x + 1)
         assert made.loaded
+        with torch.profiler.profile() as profiled:
+            made(x)
+        assert [e.name for e in profiled.events() if "CompiledFxGraph" in e.name]  # a profile still shows it
 
         monkeypatch.setattr(_compat, "inductor_graph_call", lambda c: lambda *a: [t + 1 for t in c(*a)])
         disagreeing = make_region("InductorFusion0", ROWS_AND_PLUS_ONE, {})

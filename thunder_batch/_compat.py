@@ -99,8 +99,13 @@ def inductor_graph_call(compiled) -> Callable | None:
     if len(found) != 1 or found[0].current_callable is None:
         return None
     call = found[0].current_callable  # takes a list of inputs, which it empties
+    # The profiler event CompiledFxGraph's own call records, so that a profile still shows each region
+    event = f"## Call CompiledFxGraph {found[0]._fx_graph_cache_key} ##"
 
     def direct(*args):
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch._C._profiler._RecordFunctionFast(event, keyword_values={"scope": "user_scope"}):
+                return list(call(list(args)))
         return list(call(list(args)))
 
     return direct
