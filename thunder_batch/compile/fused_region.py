@@ -93,9 +93,10 @@ def _checked_bytes(path: Path, hash_path: Path) -> tuple[bytes, str | None]:
     return data, problem
 
 
-def _all_close(got, want) -> bool:
-    got, want = _tensors(got), _tensors(want)
-    return len(got) == len(want) and all(_close(g, w) for g, w in zip(got, want))
+def _all_close(got, want, close=None) -> bool:
+    """Every output of `got` against `want`'s, by `close` (default: `_close`)."""
+    got, want, close = _tensors(got), _tensors(want), close or _close
+    return len(got) == len(want) and all(close(g, w) for g, w in zip(got, want))
 
 
 def _tensors(value) -> list:
@@ -118,8 +119,7 @@ def _close(got, want) -> bool:
 def _same_outputs(got, want, args) -> bool:
     """Equal tensors with equal layouts, views of an input exactly where `want`'s are (the same view)."""
     inputs = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
-    got, want = _tensors(got), _tensors(want)
-    return len(got) == len(want) and all(_same(g, w, inputs) for g, w in zip(got, want))
+    return _all_close(got, want, lambda g, w: _same(g, w, inputs))
 
 
 def _same(got, want, inputs: set) -> bool:

@@ -103,11 +103,7 @@ class EngineLoop(ContinuousBatchingLoop):
                 room -= _choices(item[3])
             if room <= 0:
                 break
-            item = (
-                self.get_request(request_queue, timeout=gather_s)
-                if gather_s
-                else self.get_request(request_queue, block=False)
-            )
+            item = self.get_request(request_queue, block=gather_s > 0, timeout=gather_s or None)
         return items
 
     # -- steps ------------------------------------------------------------------------------------
