@@ -39,10 +39,12 @@ def test_a_fresh_process_builds_past_a_stale_baton_and_a_cut_short_source(tmp_pa
 @pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
 @pytest.mark.parametrize(
     "rows,out_features,bias",
-    [(1, 48, True), (5, 37, False), (16, 16, True), (7, 1000, True), (130, 40, False), (520, 40, True)],
+    [(1, 48, True), (5, 37, False), (6, 40, False), (16, 16, True), (7, 1000, True), (11, 1000, False)]
+    + [(130, 40, False), (520, 40, True)],
 )
 def test_packed_linear_matches_torch(rows, out_features, bias):
-    """Every tile of rows and blocks, a partial last block, several L2 groups of blocks (AVX2 path)."""
+    """Every tile of rows and blocks, a partial last block, several L2 groups of blocks (AVX2: passes of
+    6, 5, 4 + 3, 6 + 5, ... rows)."""
     assert build.unavailable() is None
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(2, rows, 64, generator=g)  # [batch, rows, in]
@@ -56,7 +58,8 @@ def test_packed_linear_matches_torch(rows, out_features, bias):
 @pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
 @pytest.mark.parametrize(
     "rows,out_features,bias",
-    [(1, 48, True), (5, 37, False), (16, 16, True), (3, 1000, False), (1, 1000, True), (130, 40, True)],
+    [(1, 48, True), (2, 40, False), (5, 37, False), (16, 16, True), (3, 1000, False), (1, 1000, True)]
+    + [(8, 2100, True), (130, 40, True)],
 )
 def test_bf16_packed_linear_is_torchs_result_up_to_the_last_bit(rows, out_features, bias):
     """float32 accumulation of exact bf16 products, rounded once: within one bf16 rounding of the exact

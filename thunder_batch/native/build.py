@@ -22,7 +22,10 @@ import torch
 
 from thunder_batch import fallbacks
 
-SOURCES = [Path(__file__).with_name(name) for name in ("packed_linear.cpp", "decode_attention.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("packed_linear.cpp", "packed_linear_bf16.cpp", "decode_attention.cpp")
+]
+HEADERS = [Path(__file__).with_name("packed_tiles.h")]  # included by the sources: part of the build's name
 # -fopenmp: torch's own libgomp has the same soname, so the kernels share its OpenMP thread pool.
 # No -m flags: each kernel names its instruction set (AVX-512F, AVX512-BF16, AVX2 + FMA) and the fp32
 # kernel picks its path from the CPU per call, so one build runs on every x86-64 CPU with AVX2.
@@ -44,7 +47,8 @@ def cpu_flags() -> set[str]:
 
 def build_name() -> str:
     """Named by content: processes running the same source (from any checkout) share one build."""
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + repr(FLAGS).encode()).hexdigest()[:16]
+    files = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    digest = hashlib.sha256(files + repr(FLAGS).encode()).hexdigest()[:16]
     return f"thunder_batch_native_{digest}"
 
 
@@ -92,6 +96,8 @@ def _build_and_load() -> str | None:
         name = build_name()
         with locked_build_dir(Path(_get_build_directory(name, verbose=False))) as build_dir:
             sources = [str(copy_source(build_dir, original)) for original in SOURCES]
+            for header in HEADERS:
+                copy_source(build_dir, header)
             load(
                 name=name,
                 sources=sources,

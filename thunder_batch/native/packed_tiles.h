@@ -1,0 +1,40 @@
+// What the float32 and bfloat16 packed linears share: the block of 16 output features, the AVX2 tail
+// store, the L2 groups of blocks and the split of M rows into register-sized passes.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#define AVX512 __attribute__((target("avx512f")))
+#define AVX2 __attribute__((target("avx2,fma")))
+// Unrolled in full, the accumulator arrays live in registers (g++ 12 otherwise stores them every step).
+#define UNROLL _Pragma("GCC unroll 16")
+
+namespace packed {
+
+constexpr int64_t kBlock = 16;  // output features per packed block (one zmm of float32, two ymm)
+
+AVX2 inline void store_avx2(float* y, __m256 v, int64_t n) {  // the first n (<= 8, maybe <= 0) floats of v
+  if (n >= 8) return _mm256_storeu_ps(y, v);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::max<int64_t>(n, 0))), lane), v);
+}
+
+inline int64_t l2_group(int64_t I, int64_t bytes) {  // blocks per group: 128 KiB of weights
+  return std::max<int64_t>(1, (128 << 10) / (I * kBlock * bytes));
+}
+
+// M rows in passes of at most `most` rows, as even as they go (8 rows: 4 + 4, not 6 + 2): pass(m0, rows).
+template <class Pass>
+inline void even_passes(int64_t M, int64_t most, Pass pass) {
+  const int64_t passes = (M + most - 1) / most;
+  for (int64_t p = 0, m = 0; p < passes; ++p) {
+    const int64_t rows = M / passes + (p < M % passes);
+    pass(m, rows);
+    m += rows;
+  }
+}
+
+}  // namespace packed
