@@ -13,10 +13,10 @@ from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.config import ParamError, StepShape
 from thunder_batch.drafts import (
     GATE_MIN_STEPS,
-    GATE_RETRY,
+    PRIOR_ACCEPTED,
+    Acceptance,
     Drafter,
     DraftGate,
-    SlotPause,
     accepted_tokens,
     prompt_lookup,
 )
@@ -56,30 +56,53 @@ def test_accepted_tokens_are_the_drafts_that_match_samples_then_one_sample():
     assert accepted_tokens([], [3]) == [3]
 
 
-def test_a_slot_whose_drafts_keep_failing_pauses_longer_each_time():
-    pause = SlotPause()
-    pause.record(step=1, accepted=0)
-    assert not pause.paused(2)  # one rejection is no streak yet
-    pause.record(step=2, accepted=0)
-    assert pause.paused(3) and not pause.paused(4)  # 2 steps
-    pause.record(step=4, accepted=0)
-    assert pause.paused(7) and not pause.paused(8)  # 4 steps
-    pause.record(step=8, accepted=2)
-    pause.record(step=9, accepted=0)
-    assert not pause.paused(10)  # an accepted token ended the streak
+def measured(gate: DraftGate, plain: float, verify: dict[int, float]) -> DraftGate:
+    """`gate` after enough plain steps of `plain` seconds and verify steps of `verify[lanes]` seconds."""
+    for _ in range(GATE_MIN_STEPS + 1):
+        gate.record("plain", plain)
+        for lanes, seconds in verify.items():
+            gate.record(lanes, seconds)
+    return gate
 
 
-def test_the_gate_skips_drafting_where_verify_steps_do_not_pay_and_retries_later():
+LANES_FOR_8 = EngineConfig(batch_size=8, speculative_tokens=4).verify_lanes_for  # 1, 4, 8 lanes
+
+
+def test_the_gate_measures_plain_steps_then_one_lane_before_it_weighs_drafts():
     gate = DraftGate()
-    assert gate.allows(1, step=1)  # nothing measured yet
-    for _ in range(GATE_MIN_STEPS):
-        gate.record("plain", tokens=4, seconds=1.0)
-        gate.record(1, tokens=3, seconds=1.0)  # fewer tokens per second than plain steps
-        gate.record(4, tokens=12, seconds=1.0)
-    assert not gate.allows(1, step=10)
-    assert gate.allows(4, step=10)  # per verify shape
-    assert not gate.allows(1, step=10 + GATE_RETRY - 1)
-    assert gate.allows(1, step=10 + GATE_RETRY)  # measured afresh
+    assert gate.choose(8, [(3, 2.0), (5, 1.0)], LANES_FOR_8) == []  # plain steps not measured yet
+    measured(gate, 1.0, {})
+    assert gate.choose(8, [(3, 2.0), (5, 1.0)], LANES_FOR_8) == [3]  # one lane, the cheapest shape to measure
+    assert gate.choose(8, [(3, 0.0)], LANES_FOR_8) == []  # nothing to gain there
+
+
+def test_the_gate_checks_the_drafts_that_pay_for_their_rows():
+    gate = measured(DraftGate(), 1.0, {1: 1.25})  # a verify lane costs a quarter of a plain step
+    assert gate.choose(1, [(0, 1.0)], LANES_FOR_8) == [0]  # 2 tokens for 1.25 steps
+    assert gate.choose(1, [(0, 0.2)], LANES_FOR_8) == []  # 1.2 tokens for 1.25 steps
+    assert gate.choose(8, [(3, 1.5), (5, 1.5)], LANES_FOR_8) == []  # 8 busy slots: 9.5 tokens for 1.25 steps
+    gate = measured(DraftGate(), 1.0, {1: 1.1})
+    # 4 lanes, not measured: 1 + 0.1 * 4 (linear in lanes from 1); 8 + 1.5 + 0.5 tokens for 1.4 steps is less
+    assert gate.choose(8, [(3, 1.5), (5, 0.5)], LANES_FOR_8) == [3]
+    measured(gate, 1.0, {4: 1.2})  # measured: cheaper than that guess
+    assert gate.choose(8, [(3, 1.5), (5, 1.5)], LANES_FOR_8) == [3, 5]  # 11 / 1.2 > 9.5 / 1.1
+    assert gate.choose(8, [(3, 1.5), (5, 1.5), (6, 0.1)], LANES_FOR_8) == [3, 5, 6]  # the same 4 lanes
+
+
+def test_expected_accepted_drafts_follow_each_request_and_recover_while_unchecked():
+    acceptance = Acceptance()
+    assert acceptance.expected("a", 4) == PRIOR_ACCEPTED and acceptance.expected("a", 0) == 0  # at most the draft
+    for _ in range(20):
+        acceptance.record("a", 4)
+        acceptance.record("b", 0)
+    assert acceptance.expected("a", 4) > 3.5 and acceptance.expected("b", 4) < 0.1
+    overall = acceptance.overall
+    assert 1.5 < overall < 2.5
+    for _ in range(20):
+        acceptance.unchecked("b")
+    assert acceptance.expected("b", 4) == pytest.approx(overall, abs=0.05)  # tried again once it pays
+    acceptance.finished("b")
+    assert acceptance.expected("b", 4) == overall
 
 
 def _decoding(prompt, output, max_new_tokens, slot=0):
@@ -91,6 +114,7 @@ def _decoding(prompt, output, max_new_tokens, slot=0):
 def test_drafts_fit_the_request_and_the_cache_and_only_decoding_steps_verify():
     config = EngineConfig(batch_size=2, max_seq_length=32, prefill_chunk=8, speculative_tokens=4)
     drafter = Drafter(config)
+    measured(drafter.gate, 1.0, {1: 1.0, 2: 1.0})  # verify steps as cheap as plain ones: every draft is checked
     loop = [1, 2, 3] * 3
     plan = drafter.propose(StepPlan([_decoding(loop, [1, 2], 20), _decoding([5, 6, 7], [8], 20, slot=1)]))
     assert plan.verify and [w.draft for w in plan.work] == [[3, 1, 2], []]  # what followed [3, 1, 2] last time
@@ -135,8 +159,19 @@ def gpt():
     return tiny_gpt("llama")
 
 
+def checking_every_draft(engine: Engine) -> Engine:
+    """`engine` with a gate that finds verify steps as cheap as plain ones and records no step times:
+    every draft is checked, whatever this machine's timings (the gate's own tests are above)."""
+    gate = measured(DraftGate(), 1.0, {lanes: 1.0 for lanes in engine.config.verify_lane_counts})
+    gate.record = lambda kind, seconds: None
+    engine.drafter.gate = gate
+    return engine
+
+
 def run(gpt, k: int, params, prompts=PROMPTS, compile="eager", **overrides):
     engine = Engine(gpt, EngineConfig(compile=compile, speculative_tokens=k, **dict(CONFIG, **overrides)))
+    if k:
+        checking_every_draft(engine)
     return engine, engine.generate(prompts, params)
 
 
@@ -181,7 +216,7 @@ def test_stops_eos_and_max_tokens_end_where_plain_decoding_does(gpt):
         _, spec = run(gpt, 4, params, prompts=[looping.prompt_ids] * 2)
         assert_same(plain, spec)
     plain_engine = Engine(gpt, EngineConfig(compile="eager", **CONFIG))
-    spec_engine = Engine(gpt, EngineConfig(compile="eager", speculative_tokens=4, **CONFIG))
+    spec_engine = checking_every_draft(Engine(gpt, EngineConfig(compile="eager", speculative_tokens=4, **CONFIG)))
     results = []
     for engine in (plain_engine, spec_engine):
         engine.eos_ids = frozenset({out[25]})
@@ -192,7 +227,7 @@ def test_stops_eos_and_max_tokens_end_where_plain_decoding_does(gpt):
 
 def test_streamed_tokens_arrive_in_order_and_kept_tokens_end_at_the_last_accepted(gpt):
     params = SamplingParams(max_new_tokens=30)
-    engine = Engine(gpt, EngineConfig(compile="eager", speculative_tokens=4, **CONFIG))
+    engine = checking_every_draft(Engine(gpt, EngineConfig(compile="eager", speculative_tokens=4, **CONFIG)))
     streamed: dict = {}
     for output in engine.stream(PROMPTS, params):
         streamed.setdefault(output.request_id, []).extend(output.token_ids)
@@ -210,7 +245,8 @@ def test_prompt_logprobs_and_mixed_arrivals_are_unchanged(gpt):
     params = [SamplingParams(max_new_tokens=20, prompt_logprobs=2), SamplingParams(max_new_tokens=25)] * 4
     prompts = PROMPTS
     plain = Engine(gpt, EngineConfig(compile="eager", **CONFIG)).generate(prompts, params)
-    spec = Engine(gpt, EngineConfig(compile="eager", speculative_tokens=3, **CONFIG)).generate(prompts, params)
+    spec_engine = checking_every_draft(Engine(gpt, EngineConfig(compile="eager", speculative_tokens=3, **CONFIG)))
+    spec = spec_engine.generate(prompts, params)
     assert_same(plain, spec)
     for a, b in zip(plain, spec):
         assert b.prompt_logprobs[1:] == pytest.approx(a.prompt_logprobs[1:], abs=1e-4)
@@ -220,7 +256,7 @@ def test_thunder_makes_each_shape_once_and_matches_eager(gpt):
     config = dict(batch_size=1, max_seq_length=64, prefill_chunk=8, prefill_lanes=0)
     prompts = PROMPTS[-3:]
     params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=30, temperature=0.3, seed=3)]
-    engine = Engine(gpt, EngineConfig(compile="thunder", speculative_tokens=3, **config))
+    engine = checking_every_draft(Engine(gpt, EngineConfig(compile="thunder", speculative_tokens=3, **config)))
     engine.warmup()
     assert engine.stats()["cache_misses"] == len(engine.config.step_shapes) == 2  # decode, 1 verify lane
     for p in params:

@@ -1,6 +1,6 @@
-"""Speculative decoding's host side (pure Python: no torch): prompt-lookup drafts per slot, the
-per-slot pause after rejected drafts, the gate that skips drafting where verify steps do not pay,
-and the acceptance rule that keeps outputs those of plain decoding.
+"""Speculative decoding's host side (pure Python: no torch): prompt-lookup drafts per slot, the gate
+that checks only the drafts whose expected accepted tokens pay for their rows, and the acceptance rule
+that keeps outputs those of plain decoding.
 
 A decoding slot whose last n tokens (n from `ngram_max` down to `ngram_min`) occurred earlier in its
 prompt or output proposes the up-to-k tokens that followed their most recent occurrence (vLLM's
@@ -16,11 +16,13 @@ from collections import defaultdict
 
 from thunder_batch.scheduler import SlotWork, StepPlan
 
-PAUSE_AFTER = 2  # drafts rejected in a row before a slot pauses drafting
-MAX_PAUSE = 32  # steps: the longest pause (it doubles with each further rejection)
-GATE_MIN_STEPS = 4  # steps of each kind measured before the gate compares them
-GATE_RETRY = 64  # steps without drafting, once the gate closed, before verify steps are tried again
-GATE_DECAY = 0.8  # weight of the old rate in the gate's moving averages
+GATE_DECAY = 0.8  # weight of the old value in the gate's moving averages
+GATE_MIN_STEPS = 2  # timed steps of a kind (after its first: one-off costs) before the gate trusts its time
+PRIOR_ACCEPTED = 1.0  # expected accepted drafts of a verify lane before any lane was checked
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else GATE_DECAY * old + (1 - GATE_DECAY) * new
 
 
 def prompt_lookup(history: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
@@ -49,61 +51,101 @@ def accepted_tokens(draft: list[int], samples: list[int]) -> list[int]:
     return tokens
 
 
-class SlotPause:
-    """A slot whose drafts keep being rejected stops drafting for a while: after PAUSE_AFTER rejected
-    drafts in a row, 2, 4, ... up to MAX_PAUSE steps. Any accepted token ends the streak."""
+class StepCosts:
+    """What a verify step costs, in plain decode steps: moving averages of the plain steps' time and of
+    each verify lane count's time over it. The first step of each kind is not counted (one-off costs)."""
 
     def __init__(self) -> None:
-        self.rejected_in_a_row = 0
-        self.paused_until = 0
+        self.plain: float | None = None  # seconds
+        self.ratios: dict[int, float] = {}  # verify lane count -> its time / a plain step's
+        self.counts: dict[object, int] = defaultdict(int)  # "plain" or a verify lane count -> steps seen
 
-    def record(self, step: int, accepted: int) -> None:
-        if accepted:
-            self.rejected_in_a_row = 0
+    def record(self, kind, seconds: float) -> None:
+        self.counts[kind] += 1
+        if self.counts[kind] == 1:
             return
-        self.rejected_in_a_row += 1
-        if self.rejected_in_a_row >= PAUSE_AFTER:
-            self.paused_until = step + min(2 ** (self.rejected_in_a_row - PAUSE_AFTER + 1), MAX_PAUSE)
+        if kind == "plain":
+            self.plain = _average(self.plain, seconds)
+        elif self.plain is not None:
+            self.ratios[kind] = _average(self.ratios.get(kind), seconds / self.plain)
 
-    def paused(self, step: int) -> bool:
-        return step < self.paused_until
+    def trusted(self, kind) -> bool:
+        measured = self.plain is not None if kind == "plain" else kind in self.ratios
+        return measured and self.counts[kind] > GATE_MIN_STEPS
+
+    def ratio(self, lanes: int) -> float | None:
+        """A verify step of `lanes` lanes in plain steps: measured, else from the widest count measured
+        below it, linear in lanes (a guess no higher than the truth where wider steps cost more per row:
+        such a step is then tried and measured); None when nothing below it is measured."""
+        if self.trusted(lanes):
+            return self.ratios[lanes]
+        below = [c for c in self.ratios if c < lanes and self.trusted(c)]
+        if not below:
+            return None
+        widest = max(below)
+        return 1 + (self.ratios[widest] - 1) * lanes / widest
 
 
 class DraftGate:
-    """Skips drafting while verify steps of a shape give fewer tokens per second than plain steps
-    (moving averages per verify lane count); after GATE_RETRY steps it tries them again. Outputs never
+    """Which drafting slots a step checks: the ones whose expected accepted drafts pay for the rows they
+    add. With `busy` slots sampling, checking the first n of the drafting slots (most expected first)
+    gives busy + their expected accepted drafts in the time of ratio(lanes for n) plain steps; the gate
+    takes the n with the most tokens per plain step's time, none when plain decoding gives more.
+    Measuring comes first: plain steps, then one verify lane (the cheapest shape to try). Outputs never
     depend on it: it decides only which steps pay for extra rows."""
 
     def __init__(self) -> None:
-        self.rates: dict[object, float] = {}  # "plain" or a verify lane count -> tokens per second
-        self.counts: dict[object, int] = defaultdict(int)
-        self.closed_at: dict[int, int] = {}  # verify lane count -> step it was closed at
+        self.costs = StepCosts()
 
-    def record(self, kind, tokens: int, seconds: float) -> None:
-        rate = tokens / max(seconds, 1e-9)
-        old = self.rates.get(kind)
-        self.rates[kind] = rate if old is None else GATE_DECAY * old + (1 - GATE_DECAY) * rate
-        self.counts[kind] += 1
+    def record(self, kind, seconds: float) -> None:
+        """A decode step's time: kind "plain", or the verify lane count of a verify step."""
+        self.costs.record(kind, seconds)
 
-    def allows(self, lanes: int, step: int) -> bool:
-        closed = self.closed_at.get(lanes)
-        if closed is not None:
-            if step - closed < GATE_RETRY:
-                return False
-            del self.closed_at[lanes]
-            self.counts[lanes] = 0  # measured afresh
-            self.rates.pop(lanes, None)
-        if min(self.counts["plain"], self.counts[lanes]) < GATE_MIN_STEPS:
-            return True
-        if self.rates[lanes] < self.rates["plain"]:
-            self.closed_at[lanes] = step
-            return False
-        return True
+    def choose(self, busy: int, expected: list[tuple[int, float]], lanes_for) -> list[int]:
+        """Slots to check, from `expected`: (slot, expected accepted drafts), most first."""
+        if not expected or not self.costs.trusted("plain"):
+            return []
+        if self.costs.ratio(1) is None:  # measure one lane first
+            return [expected[0][0]] if expected[0][1] > 0 else []
+        best, best_rate, total = 0, float(busy), 0.0  # rate: tokens per plain step's time
+        for n, (_, accepted) in enumerate(expected, start=1):
+            total += accepted
+            ratio = self.costs.ratio(lanes_for(n))
+            if ratio is None:
+                break
+            if (busy + total) / ratio > best_rate:
+                best, best_rate = n, (busy + total) / ratio
+        return [slot for slot, _ in expected[:best]]
+
+
+class Acceptance:
+    """Expected accepted drafts of a request's next verify lane: a moving average over its own lanes,
+    starting from the average over every request's lanes; while its drafts go unchecked it moves back
+    towards that average, so a request whose drafts failed is tried again later."""
+
+    def __init__(self) -> None:
+        self.overall = PRIOR_ACCEPTED
+        self.requests: dict[object, float] = {}
+
+    def expected(self, request_id, draft_len: int) -> float:
+        return min(self.requests.get(request_id, self.overall), draft_len)
+
+    def record(self, request_id, accepted: int) -> None:
+        self.overall = _average(self.overall, accepted)
+        self.requests[request_id] = _average(self.requests.get(request_id, self.overall), accepted)
+
+    def unchecked(self, request_id) -> None:
+        if request_id in self.requests:
+            self.requests[request_id] = _average(self.requests[request_id], self.overall)
+
+    def finished(self, request_id) -> None:
+        self.requests.pop(request_id, None)
 
 
 class Drafter:
-    """Turns a step plan whose slots all decode into a verify plan when some slot has a draft, and
-    keeps each slot's pause and the counters (drafts proposed / accepted, verify steps)."""
+    """Turns a step plan whose slots all decode into a verify plan for the drafting slots the gate
+    chooses, and keeps what the gate weighs (step times, acceptance) and the counters (drafts proposed /
+    accepted, verify steps)."""
 
     def __init__(self, config) -> None:
         self.k, self.ngram_min, self.ngram_max = (
@@ -113,20 +155,28 @@ class Drafter:
         )
         self.config = config
         self.gate = DraftGate()
-        self.pauses: dict[object, SlotPause] = {}  # request id -> its pause
-        self.steps = 0
+        self.acceptance = Acceptance()
         self.counters = dict(verify_steps=0, draft_tokens=0, accepted_tokens=0)
 
     def propose(self, plan: StepPlan) -> StepPlan:
-        """`plan` itself, or the same work with drafting slots moved into verify lanes."""
-        self.steps += 1
+        """`plan` itself, or the same work with the chosen drafting slots moved into verify lanes."""
         if not self.k or not all(w.lane is None and (w.samples or not _scores(w)) for w in plan.work):
             return plan
-        drafts = {w.slot: self._draft(w) for w in plan.work if w.samples}
-        drafting = [slot for slot, draft in drafts.items() if draft]
-        if not drafting or not self.gate.allows(self.config.verify_lanes_for(len(drafting)), self.steps):
+        sampling = [w for w in plan.work if w.samples]
+        drafts = {w.slot: draft for w in sampling if (draft := self._draft(w))}
+        if not drafts:
             return plan
-        lanes = {slot: lane for lane, slot in enumerate(sorted(drafting))}
+        ids = {w.slot: w.request.request_id for w in sampling}
+        expected = sorted(
+            ((slot, self.acceptance.expected(ids[slot], len(draft))) for slot, draft in drafts.items()),
+            key=lambda pair: -pair[1],
+        )
+        chosen = self.gate.choose(len(sampling), expected, self.config.verify_lanes_for)
+        for slot in drafts.keys() - set(chosen):
+            self.acceptance.unchecked(ids[slot])
+        if not chosen:
+            return plan
+        lanes = {slot: lane for lane, slot in enumerate(sorted(chosen))}
         work = [
             dataclasses.replace(w, token_ids=w.token_ids + drafts[w.slot], lane=lanes[w.slot], draft=drafts[w.slot])
             if w.slot in lanes
@@ -138,9 +188,6 @@ class Drafter:
 
     def _draft(self, work: SlotWork) -> list[int]:
         request = work.request
-        pause = self.pauses.setdefault(request.request_id, SlotPause())
-        if pause.paused(self.steps):
-            return []
         # Room: every fed position below max_seq_length, no more tokens than the request may still produce.
         left = request.params.max_new_tokens - len(request.output_ids)
         room = min(self.k, left - 1, self.config.max_seq_length - 1 - work.start_pos)
@@ -152,10 +199,10 @@ class Drafter:
         """After a verify step: `accepted` of the work's draft tokens stood."""
         self.counters["draft_tokens"] += len(work.draft)
         self.counters["accepted_tokens"] += accepted
-        self.pauses.setdefault(work.request.request_id, SlotPause()).record(self.steps, accepted)
+        self.acceptance.record(work.request.request_id, accepted)
 
     def finished(self, request_id) -> None:
-        self.pauses.pop(request_id, None)
+        self.acceptance.finished(request_id)
 
     def stats(self) -> dict:
         """Counters only (the server sums them over workers): acceptance = accepted / draft tokens."""

@@ -190,11 +190,9 @@ class Engine:
             raise
         seconds = time.perf_counter() - start
         self._counters["steps"] += 1
-        generated = self._counters["generated_tokens"]
         outputs = [output for work in plan.work if (output := self._advance(work, result)) is not None]
-        if self.drafter is not None and (plan.verify or not plan.busy_lanes):  # the gate compares decode steps
-            kind = self.runner.shape_for(plan).lanes if plan.verify else "plain"
-            self.drafter.gate.record(kind, self._counters["generated_tokens"] - generated, seconds)
+        if self.drafter is not None and (plan.verify or not plan.busy_lanes):  # the gate weighs decode steps
+            self.drafter.gate.record(self.runner.shape_for(plan).lanes if plan.verify else "plain", seconds)
         return outputs
 
     def _advance(self, work, result) -> StepOutput | None:

@@ -102,19 +102,21 @@ class StepHead(nn.Module):
         # x: [N, C]; input_pos, target: [N]; last_row: [B] -> (token [B], logprob [B]) and, per
         # variant, (top ids [B, K], top logprobs [B, K]), (row logprob [N], ids [N, K], logprobs [N, K])
         logits = self.logits(x.index_select(0, last_row))  # [B, V]: one row per slot, not N
-        last_pos = input_pos.index_select(0, last_row)  # [B]
+        out = self.sampled(logits, input_pos.index_select(0, last_row), temperature, top_k, top_p, seed)
+        if self.extra != "prompt":
+            return out
+        return (*out, *score_rows(self.logits(x), target, MAX_LOGPROBS))  # its own matmul: [B] rows unchanged
+
+    def sampled(self, logits, last_pos, temperature, top_k, top_p, seed):
+        # logits: [B, V]; last_pos and the settings: [B] -> (token [B], logprob [B]), then with "top" or
+        # "prompt" (top ids [B, K], top logprobs [B, K])
         # The RNG is keyed by the sampled token's own position: independent of slot and batch-mates.
         if self.variant == "greedy":
             out = greedy_sample(logits)
         else:
             filtered = self.variant == "filtered"
             out = batched_sample(logits, temperature, top_k, top_p, seed, last_pos + 1, filtered=filtered)
-        if not self.extra:
-            return out
-        out = (*out, *top_logprobs(logits, MAX_LOGPROBS))
-        if self.extra == "top":
-            return out
-        return (*out, *score_rows(self.logits(x), target, MAX_LOGPROBS))  # its own matmul: [B] rows unchanged
+        return (*out, *top_logprobs(logits, MAX_LOGPROBS)) if self.extra else out
 
 
 class VerifyHead(StepHead):
@@ -127,10 +129,11 @@ class VerifyHead(StepHead):
     def forward(self, x, input_pos, last_row, temperature, top_k, top_p, seed, target=None):
         # x: [N, C]; input_pos, target (row slots): [N]; the rest [B] -> StepHead's outputs, then
         # (row token [R], row logprob [R]) and with `_top` (row ids [R, K], row logprobs [R, K]); R = N - B
-        out = super().forward(x, input_pos, last_row, temperature, top_k, top_p, seed)
         B = last_row.shape[0]
-        slots = target[B:]  # [R]
-        logits = self.logits(x[B:])  # [R, V]: every verify row
+        # One lm_head over the slots' last rows and every verify row: its weights are read once, not twice.
+        logits = self.logits(torch.cat((x.index_select(0, last_row), x[B:])))  # [B + R, V]
+        out = self.sampled(logits[:B], input_pos.index_select(0, last_row), temperature, top_k, top_p, seed)
+        slots, logits = target[B:], logits[B:]  # [R], [R, V]
         position = input_pos[B:] + 1  # [R]: the position of the token each row samples
         if self.variant == "greedy":
             rows = greedy_sample(logits)
