@@ -77,14 +77,15 @@ def test_the_gate_measures_plain_steps_then_one_lane_before_it_weighs_drafts():
 
 
 def test_the_gate_checks_the_drafts_that_pay_for_their_rows():
-    gate = measured(DraftGate(), 1.0, {1: 1.25})  # a verify lane costs a quarter of a plain step
+    gate = measured(DraftGate(), 1.0, {1: 1.25, 4: 2.0})  # one verify lane costs a quarter of a plain step
     assert gate.choose(1, [(0, 1.0)], LANES_FOR_8) == [0]  # 2 tokens for 1.25 steps
     assert gate.choose(1, [(0, 0.2)], LANES_FOR_8) == []  # 1.2 tokens for 1.25 steps
-    assert gate.choose(8, [(3, 1.5), (5, 1.5)], LANES_FOR_8) == []  # 8 busy slots: 9.5 tokens for 1.25 steps
+    assert gate.choose(8, [(3, 1.5), (5, 1.5)], LANES_FOR_8) == []  # 8 busy slots: 9.5 / 1.25 and 11 / 2 < 8
     gate = measured(DraftGate(), 1.0, {1: 1.1})
-    # 4 lanes, not measured: 1 + 0.1 * 4 (linear in lanes from 1); 8 + 1.5 + 0.5 tokens for 1.4 steps is less
+    # 4 lanes, not measured: guessed at 1 lane's cost (10 tokens for 1.1 steps), so tried
+    assert gate.choose(8, [(3, 1.5), (5, 0.5)], LANES_FOR_8) == [3, 5]
+    measured(gate, 1.0, {4: 1.2})  # measured: 10 tokens for 1.2 steps is less than 9.5 for 1.1
     assert gate.choose(8, [(3, 1.5), (5, 0.5)], LANES_FOR_8) == [3]
-    measured(gate, 1.0, {4: 1.2})  # measured: cheaper than that guess
     assert gate.choose(8, [(3, 1.5), (5, 1.5)], LANES_FOR_8) == [3, 5]  # 11 / 1.2 > 9.5 / 1.1
     assert gate.choose(8, [(3, 1.5), (5, 1.5), (6, 0.1)], LANES_FOR_8) == [3, 5, 6]  # the same 4 lanes
 
@@ -96,13 +97,17 @@ def test_expected_accepted_drafts_follow_each_request_and_recover_while_unchecke
         acceptance.record("a", 4)
         acceptance.record("b", 0)
     assert acceptance.expected("a", 4) > 3.5 and acceptance.expected("b", 4) < 0.1
-    overall = acceptance.overall
-    assert 1.5 < overall < 2.5
+    assert 1.5 < acceptance.overall < 2.5
+    assert acceptance.expected("c", 4) == acceptance.overall  # a new request starts from every request's average
     for _ in range(20):
         acceptance.unchecked("b")
-    assert acceptance.expected("b", 4) == pytest.approx(overall, abs=0.05)  # tried again once it pays
+    assert acceptance.expected("b", 4) == pytest.approx(acceptance.overall, abs=0.05)  # tried again once it pays
+    for _ in range(40):
+        acceptance.record("b", 0)
+    assert acceptance.overall < 0.1
+    assert acceptance.expected("d", 4) == PRIOR_ACCEPTED  # never below one accepted draft: new requests are tried
     acceptance.finished("b")
-    assert acceptance.expected("b", 4) == overall
+    assert acceptance.expected("b", 4) == PRIOR_ACCEPTED
 
 
 def _decoding(prompt, output, max_new_tokens, slot=0):

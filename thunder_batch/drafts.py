@@ -74,16 +74,13 @@ class StepCosts:
         return measured and self.counts[kind] > GATE_MIN_STEPS
 
     def ratio(self, lanes: int) -> float | None:
-        """A verify step of `lanes` lanes in plain steps: measured, else from the widest count measured
-        below it, linear in lanes (a guess no higher than the truth where wider steps cost more per row:
-        such a step is then tried and measured); None when nothing below it is measured."""
+        """A verify step of `lanes` lanes in plain steps: measured, else the widest count measured below
+        it, as if the extra lanes were free (a guess no higher than the truth: a wider step is tried, and
+        measured, when it would pay at that price); None when nothing below it is measured."""
         if self.trusted(lanes):
             return self.ratios[lanes]
         below = [c for c in self.ratios if c < lanes and self.trusted(c)]
-        if not below:
-            return None
-        widest = max(below)
-        return 1 + (self.ratios[widest] - 1) * lanes / widest
+        return self.ratios[max(below)] if below else None
 
 
 class DraftGate:
@@ -119,24 +116,29 @@ class DraftGate:
 
 
 class Acceptance:
-    """Expected accepted drafts of a request's next verify lane: a moving average over its own lanes,
-    starting from the average over every request's lanes; while its drafts go unchecked it moves back
-    towards that average, so a request whose drafts failed is tried again later."""
+    """Expected accepted drafts of a request's next verify lane: a moving average over its own lanes. It
+    starts from, and while its drafts go unchecked moves back towards, the average over every request's
+    lanes, or PRIOR_ACCEPTED if that is higher: a new request, or one whose drafts failed a while ago, is
+    tried (again) where one accepted draft would pay, whatever earlier requests kept."""
 
     def __init__(self) -> None:
         self.overall = PRIOR_ACCEPTED
         self.requests: dict[object, float] = {}
 
+    @property
+    def prior(self) -> float:
+        return max(self.overall, PRIOR_ACCEPTED)
+
     def expected(self, request_id, draft_len: int) -> float:
-        return min(self.requests.get(request_id, self.overall), draft_len)
+        return min(self.requests.get(request_id, self.prior), draft_len)
 
     def record(self, request_id, accepted: int) -> None:
+        self.requests[request_id] = _average(self.requests.get(request_id, self.prior), accepted)
         self.overall = _average(self.overall, accepted)
-        self.requests[request_id] = _average(self.requests.get(request_id, self.overall), accepted)
 
     def unchecked(self, request_id) -> None:
         if request_id in self.requests:
-            self.requests[request_id] = _average(self.requests[request_id], self.overall)
+            self.requests[request_id] = _average(self.requests[request_id], self.prior)
 
     def finished(self, request_id) -> None:
         self.requests.pop(request_id, None)
