@@ -79,15 +79,15 @@ def test_the_gate_measures_plain_steps_then_one_lane_before_it_weighs_drafts():
 def test_the_gate_checks_the_drafts_that_pay_for_their_rows():
     gate = measured(DraftGate(), 1.0, {1: 1.25, 4: 2.0})  # one verify lane costs a quarter of a plain step
     assert gate.choose(1, [(0, 1.0)], LANES_FOR_8) == [0]  # 2 tokens for 1.25 steps
-    assert gate.choose(1, [(0, 0.2)], LANES_FOR_8) == []  # 1.2 tokens for 1.25 steps
+    assert gate.choose(1, [(0, 0.3)], LANES_FOR_8) == []  # 1.3 tokens for 1.25 steps: within GATE_MARGIN
     assert gate.choose(8, [(3, 1.5), (5, 1.5)], LANES_FOR_8) == []  # 8 busy slots: 9.5 / 1.25 and 11 / 2 < 8
-    gate = measured(DraftGate(), 1.0, {1: 1.1})
-    # 4 lanes, not measured: guessed at 1 lane's cost (10 tokens for 1.1 steps), so tried
-    assert gate.choose(8, [(3, 1.5), (5, 0.5)], LANES_FOR_8) == [3, 5]
-    measured(gate, 1.0, {4: 1.2})  # measured: 10 tokens for 1.2 steps is less than 9.5 for 1.1
+    gate = measured(DraftGate(), 1.0, {1: 1.05})
+    # 4 lanes, not measured: 1 + 0.05 * 4 (linear in lanes from 1), 10 tokens for 1.2 steps; 9.5 for 1.05 pays
     assert gate.choose(8, [(3, 1.5), (5, 0.5)], LANES_FOR_8) == [3]
-    assert gate.choose(8, [(3, 1.5), (5, 1.5)], LANES_FOR_8) == [3, 5]  # 11 / 1.2 > 9.5 / 1.1
+    measured(gate, 1.0, {4: 1.15})  # measured: cheaper than that guess
+    assert gate.choose(8, [(3, 1.5), (5, 1.5)], LANES_FOR_8) == [3, 5]  # 11 / 1.15 > 9.5 / 1.05
     assert gate.choose(8, [(3, 1.5), (5, 1.5), (6, 0.1)], LANES_FOR_8) == [3, 5, 6]  # the same 4 lanes
+    assert gate.choose(8, [(3, 1.5), (5, 0.5)], LANES_FOR_8) == [3]  # 10 / 1.15 < 9.5 / 1.05
 
 
 def test_expected_accepted_drafts_follow_each_request_and_recover_while_unchecked():

@@ -18,6 +18,9 @@ from thunder_batch.scheduler import SlotWork, StepPlan
 
 GATE_DECAY = 0.8  # weight of the old value in the gate's moving averages
 GATE_MIN_STEPS = 2  # timed steps of a kind (after its first: one-off costs) before the gate trusts its time
+# A verify step must promise this many times plain decoding's tokens per time: the slots chosen are those
+# whose estimates are highest (so, on average, too high), and a step's time varies by 20% from step to step.
+GATE_MARGIN = 1.1
 PRIOR_ACCEPTED = 1.0  # expected accepted drafts of a verify lane before any lane was checked
 
 
@@ -74,20 +77,24 @@ class StepCosts:
         return measured and self.counts[kind] > GATE_MIN_STEPS
 
     def ratio(self, lanes: int) -> float | None:
-        """A verify step of `lanes` lanes in plain steps: measured, else the widest count measured below
-        it, as if the extra lanes were free (a guess no higher than the truth: a wider step is tried, and
-        measured, when it would pay at that price); None when nothing below it is measured."""
+        """A verify step of `lanes` lanes in plain steps: measured, else from the widest count measured
+        below it, linear in lanes (dearer than the truth where a step has a fixed cost besides its rows:
+        wider steps are tried only where they would pay at that price); None when nothing below it is."""
         if self.trusted(lanes):
             return self.ratios[lanes]
         below = [c for c in self.ratios if c < lanes and self.trusted(c)]
-        return self.ratios[max(below)] if below else None
+        if not below:
+            return None
+        widest = max(below)
+        return 1 + (self.ratios[widest] - 1) * lanes / widest
 
 
 class DraftGate:
     """Which drafting slots a step checks: the ones whose expected accepted drafts pay for the rows they
     add. With `busy` slots sampling, checking the first n of the drafting slots (most expected first)
     gives busy + their expected accepted drafts in the time of ratio(lanes for n) plain steps; the gate
-    takes the n with the most tokens per plain step's time, none when plain decoding gives more.
+    takes the n with the most tokens per plain step's time, none unless that beats plain decoding by
+    GATE_MARGIN.
     Measuring comes first: plain steps, then one verify lane (the cheapest shape to try). Outputs never
     depend on it: it decides only which steps pay for extra rows."""
 
@@ -104,7 +111,7 @@ class DraftGate:
             return []
         if self.costs.ratio(1) is None:  # measure one lane first
             return [expected[0][0]] if expected[0][1] > 0 else []
-        best, best_rate, total = 0, float(busy), 0.0  # rate: tokens per plain step's time
+        best, best_rate, total = 0, busy * GATE_MARGIN, 0.0  # rate: tokens per plain step's time
         for n, (_, accepted) in enumerate(expected, start=1):
             total += accepted
             ratio = self.costs.ratio(lanes_for(n))
