@@ -120,11 +120,11 @@ class StepHead(nn.Module):
 
 
 class VerifyHead(StepHead):
-    """The head of a verify step (speculative decoding): the decode rows as StepHead does, then
-    lm_head on every verify-lane row (rows B ..) and each row's sample at its own position with its
-    slot's settings, the same sampler and (seed, position) noise as a decode row there: a row samples
-    exactly the token plain decoding would after the same prefix. `target` carries each row's slot.
-    Variant `<sampler>_top` adds every row's most likely tokens."""
+    """The head of a verify step (speculative decoding): one lm_head over the slots' last rows and every
+    verify-lane row (rows B ..); the slots sampled as StepHead does, then each verify row's sample at its
+    own position with its slot's settings, the same sampler and (seed, position) noise as a decode row
+    there: a row samples exactly the token plain decoding would after the same prefix. `target` carries
+    each row's slot. Variant `<sampler>_top` adds every row's most likely tokens."""
 
     def forward(self, x, input_pos, last_row, temperature, top_k, top_p, seed, target=None):
         # x: [N, C]; input_pos, target (row slots): [N]; the rest [B] -> StepHead's outputs, then
