@@ -5,7 +5,9 @@
 // [B, G, L, D] with any stride over L (views of the slot cache's first L entries), mask: additive,
 // [B, 1, 1, L]. Every (slot, group) pair reads its visible keys and values once, for all Q rows: the
 // read of the slot's live cache entries is the whole cost (torch's kernel reads all L entries).
-// Pairs are split across threads (torch's OpenMP pool). AVX2 + FMA.
+// Pairs are split across threads (torch's OpenMP pool). AVX2 + FMA; with D % 8 == 0 keys are scored four
+// at a time and values summed 8 columns x up to 4 rows in registers (1.4-1.8x the one-dot-at-a-time loop,
+// benchmarks/RESULTS.md), other head sizes one key at a time.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -79,28 +81,92 @@ AVX2 void softmax(float* row, int64_t L) {  // in place
 // Entries the mask hides (<= kHidden: litgpt's and our masks use -inf or the dtype's lowest value)
 // weigh exactly 0 in the softmax whenever one entry is visible, so they are never read: a slot reads
 // its live entries only. With none visible (an idle or padding row, never read) the output is 0.
+AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+AVX2 inline __m256 load8(const at::BFloat16* p) {  // 8 bfloat16 widened: each the high half of a float32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// [sum(a), sum(b), sum(c), sum(d)]: four dot products' partial sums reduced together.
+AVX2 inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// scores[r * n + j .. + 4] = q_r . keys j..j+3 + their mask values, for every query row r (D % 8 == 0):
+// four independent sums per row, so the FMA chains overlap instead of waiting on each other.
+AVX2 void scores4(const float* qf, const float (*kf)[kMaxD], const float* m, int64_t Q, int64_t D, int64_t n,
+                  float* scores) {
+  for (int64_t r = 0; r < Q; ++r) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 x = _mm256_loadu_ps(qf + r * kMaxD + d);
+      s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf[0] + d), s0);
+      s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf[1] + d), s1);
+      s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf[2] + d), s2);
+      s3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf[3] + d), s3);
+    }
+    _mm_storeu_ps(scores + r * n, _mm_add_ps(sum4(s0, s1, s2, s3), _mm_loadu_ps(m)));
+  }
+}
+
+// out rows [Q, D] += p[r, j] * value j over the visible entries, 8 columns at a time held in registers
+// for up to 4 query rows (D % 8 == 0).
+template <typename T, int R>
+AVX2 void weigh_values(const T* v, const int64_t* live, int64_t n, int64_t kv_stride, const float* p, int64_t pn,
+                       int64_t D, float* acc) {
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 a[R];
+    for (int i = 0; i < R; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 x = load8(v + live[j] * kv_stride + d);
+      for (int i = 0; i < R; ++i) a[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i * pn + j]), x, a[i]);
+    }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(acc + i * kMaxD + d, a[i]);
+  }
+}
+
+// One (slot, group): q [Q, D] rows, keys/values [L, D] rows `kv_stride` apart, mask [L] -> out [Q, D].
+// Entries the mask hides (<= kHidden: litgpt's and our masks use -inf or the dtype's lowest value)
+// weigh exactly 0 in the softmax whenever one entry is visible, so they are never read: a slot reads
+// its live entries only. With none visible (an idle or padding row, never read) the output is 0.
 template <typename T>
 AVX2 void attend(const T* q, const T* k, const T* v, const T* mask, int64_t Q, int64_t L, int64_t D,
                  int64_t kv_stride, float scale, float* scores, int64_t* live, T* out) {
-  float qf[kMaxQ][kMaxD], acc[kMaxQ][kMaxD];
+  alignas(32) float qf[kMaxQ][kMaxD], acc[kMaxQ][kMaxD], kf[4][kMaxD], mf[4];
   for (int64_t r = 0; r < Q; ++r)
     for (int64_t d = 0; d < D; ++d) qf[r][d] = widen(q[r * D + d]) * scale, acc[r][d] = 0.f;
   int64_t n = 0;  // visible entries: live[0..n)
   for (int64_t l = 0; l < L; ++l)
     if (widen(mask[l]) > kHidden) live[n++] = l;
-  for (int64_t j = 0; j < n; ++j) {  // scores [Q, n]: each key row read once for every query row
-    float kf[kMaxD];
-    for (int64_t d = 0; d < D; ++d) kf[d] = widen(k[live[j] * kv_stride + d]);
+  const bool vector = D % 8 == 0;
+  int64_t j = 0;
+  for (; vector && j + 4 <= n; j += 4) {  // scores [Q, n], four keys at a time, each read once
+    for (int i = 0; i < 4; ++i) {
+      for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(kf[i] + d, load8(k + live[j + i] * kv_stride + d));
+      mf[i] = widen(mask[live[j + i]]);
+    }
+    scores4(qf[0], kf, mf, Q, D, n, scores + j);
+  }
+  for (; j < n; ++j) {  // the rest one key at a time
+    for (int64_t d = 0; d < D; ++d) kf[0][d] = widen(k[live[j] * kv_stride + d]);
     const float m = widen(mask[live[j]]);
-    for (int64_t r = 0; r < Q; ++r) scores[r * n + j] = dot(qf[r], kf, D) + m;
+    for (int64_t r = 0; r < Q; ++r) scores[r * n + j] = dot(qf[r], kf[0], D) + m;
   }
   for (int64_t r = 0; r < Q && n > 0; ++r) softmax(scores + r * n, n);
-  for (int64_t j = 0; j < n; ++j) {  // out [Q, D]: each value row read once
-    float vf[kMaxD];
-    for (int64_t d = 0; d < D; ++d) vf[d] = widen(v[live[j] * kv_stride + d]);
-    for (int64_t r = 0; r < Q; ++r) {
-      const float p = scores[r * n + j];
-      for (int64_t d = 0; d < D; ++d) acc[r][d] += p * vf[d];
+  if (vector) {
+    int64_t r = 0;
+    for (; r + 4 <= Q; r += 4) weigh_values<T, 4>(v, live, n, kv_stride, scores + r * n, n, D, acc[r]);
+    if (Q - r == 3) weigh_values<T, 3>(v, live, n, kv_stride, scores + r * n, n, D, acc[r]);
+    if (Q - r == 2) weigh_values<T, 2>(v, live, n, kv_stride, scores + r * n, n, D, acc[r]);
+    if (Q - r == 1) weigh_values<T, 1>(v, live, n, kv_stride, scores + r * n, n, D, acc[r]);
+  } else {
+    for (int64_t jj = 0; jj < n; ++jj) {  // out [Q, D]: each value row read once
+      for (int64_t d = 0; d < D; ++d) kf[0][d] = widen(v[live[jj] * kv_stride + d]);
+      for (int64_t r = 0; r < Q; ++r) {
+        const float p = scores[r * n + jj];
+        for (int64_t d = 0; d < D; ++d) acc[r][d] += p * kf[0][d];
+      }
     }
   }
   for (int64_t r = 0; r < Q; ++r)
