@@ -117,8 +117,10 @@ def reused_after(engine: Engine, prompt: list[int]) -> int:
 
 
 def test_kept_tokens_are_dropped_after_abort_reset_and_a_failed_step():
+    """A slot's kept tokens alone (the host store, which would give back the first request's entries
+    saved before the aborted one wrote over them, has its own test)."""
     gpt = tiny_gpt("llama")
-    engine = engine_for(gpt, batch_size=1)
+    engine = engine_for(gpt, batch_size=1, prefix_store_mb=0)
     prompt = list(range(1, 30))
     engine.generate([prompt], SamplingParams(max_new_tokens=2))
     assert reused_after(engine, prompt) == len(prompt) - 1  # kept: the same prompt feeds its last token only

@@ -134,6 +134,9 @@ class EngineConfig:
     # a copy of any length costs well under a token's compute, benchmarks/prefix_copy.py).
     prefix_reuse: bool = True
     prefix_copy_min: int = 1
+    # Host memory (MiB) for kept entries a new prompt is about to write over, restored for a later prompt
+    # sharing them (more conversations than slots); 0: none. Needs prefix_reuse.
+    prefix_store_mb: int = 1024
     # Speculative decoding (drafts.py): a decoding slot whose last n tokens (n from ngram_max down to
     # ngram_min) occurred earlier in its prompt or output proposes up to k tokens that followed them,
     # and one step checks them all; outputs are those of k = 0 (off). See DESIGN "Speculative decoding".
@@ -154,6 +157,7 @@ class EngineConfig:
         if not isinstance(self.prefix_reuse, bool):
             raise ParamError("prefix_reuse", f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
         _require_int("prefix_copy_min", self.prefix_copy_min, 1)
+        _require_int("prefix_store_mb", self.prefix_store_mb, 0)
         self._check_speculative()
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")

@@ -193,7 +193,7 @@ class Drafter:
             for w in plan.work
         ]
         self.counters["verify_steps"] += 1
-        return StepPlan(work, plan.copies, verify=True)
+        return dataclasses.replace(plan, work=work, verify=True)
 
     def _draft(self, work: SlotWork) -> list[int]:
         request = work.request

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
 from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, choice_seed, is_chat, is_int
 from thunder_batch.drafts import Drafter, accepted_tokens
+from thunder_batch.kv_cache import bytes_per_token
 from thunder_batch.request import GenerationResult, Request, StepOutput, joined_outputs
 from thunder_batch.runner import Runner, program_stats
 from thunder_batch.scheduler import Scheduler
@@ -30,8 +31,9 @@ class Engine:
         self.prompt_style = prompt_style or prompt_style_for(model.config)
         self.runner = Runner(model, self.config)
         cfg = self.config
+        store_tokens = cfg.prefix_store_mb * 2**20 // bytes_per_token(self.runner.caches)
         self.scheduler = Scheduler(
-            cfg.batch_size, cfg.prefill_chunk, cfg.lane_counts, cfg.prefix_reuse, cfg.prefix_copy_min
+            cfg.batch_size, cfg.prefill_chunk, cfg.lane_counts, cfg.prefix_reuse, cfg.prefix_copy_min, store_tokens
         )
         self.drafter = Drafter(cfg) if cfg.speculative_tokens else None
         self.vocab_size = model.config.padded_vocab_size
@@ -288,9 +290,10 @@ class Engine:
     def stats(self) -> dict:
         """Counters: steps, tokens, requests; `prompt_tokens` (every prompt token of the requests admitted:
         `prompt_tokens_computed` fed to the model, `prompt_tokens_reused` taken from a slot's cache),
-        `prefix_cache_queries` / `prefix_cache_hits` (prompt tokens looked up / found, as vLLM counts);
-        `cache_misses` (step shapes made: one per shape in
-        `step_shapes`, whatever the traffic), `programs` (per piece: prefix, block, head variants),
+        `prefix_cache_queries` / `prefix_cache_hits` (prompt tokens looked up / found, as vLLM counts),
+        `prefix_store_tokens` (tokens of the prefixes kept in host memory); `cache_misses` (step shapes
+        made: one per shape in `step_shapes`, whatever the traffic), `programs` (per piece: prefix, block,
+        head variants),
         `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache),
         `thunder_traces` (traces Thunder itself counts: a retrace shows here), and `compile_seconds`
         (per piece: `compile_seconds_by_piece`); with speculative decoding, `speculative`: verify steps,
@@ -303,6 +306,7 @@ class Engine:
             prompt_tokens_reused=scheduler.prefix_hits,
             prefix_cache_queries=scheduler.prefix_queries,
             prefix_cache_hits=scheduler.prefix_hits,
+            prefix_store_tokens=scheduler.store.tokens if scheduler.store is not None else 0,
             **program_stats(self.runner),
             **({} if self.drafter is None else dict(speculative=self.drafter.stats())),
             step_shapes=[shape.describe(self.config) for shape in self.config.step_shapes],

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from thunder_batch.index_ops import index_copy_flat
+from thunder_batch.prefix_store import PrefixRestore, PrefixSave
 
 
 class SlotKVCache(nn.Module):
@@ -49,3 +50,27 @@ def slot_caches(gpt: nn.Module, batch_size: int, length: int) -> list[SlotKVCach
         SlotKVCache(batch_size, cfg.n_query_groups, length, cfg.head_size, weight.dtype, weight.device)
         for _ in gpt.transformer.h
     ]
+
+
+def copy_entries(caches: list[SlotKVCache], copies, stored: dict[int, list]) -> None:
+    """Carry out a plan's copies in order: PrefixCopy between slots, PrefixSave of a slot's first entries
+    into `stored` (host memory, per layer K and V [G, end, D]), PrefixRestore from there into a slot."""
+    for c in copies:
+        if isinstance(c, PrefixSave):
+            stored[c.entry] = [
+                (b.k[c.src, :, : c.end].to("cpu", copy=True), b.v[c.src, :, : c.end].to("cpu", copy=True))
+                for b in caches
+            ]
+        elif isinstance(c, PrefixRestore):
+            for cache, (k, v) in zip(caches, stored[c.entry]):
+                cache.k[c.dst, :, c.start : c.end].copy_(k[:, c.start : c.end])
+                cache.v[c.dst, :, c.start : c.end].copy_(v[:, c.start : c.end])
+        else:
+            for cache in caches:
+                for buf in (cache.k, cache.v):  # [B, G, S + 1 + C, D]
+                    buf[c.dst, :, c.start : c.end].copy_(buf[c.src, :, c.start : c.end])
+
+
+def bytes_per_token(caches: list[SlotKVCache]) -> int:
+    """Memory one token's entries take: every layer's K and V."""
+    return sum(2 * cache.k[0, :, 0].numel() * cache.k.element_size() for cache in caches)

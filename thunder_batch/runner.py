@@ -12,6 +12,7 @@ import torch
 from thunder_batch.compile.step import load_or_compile_program
 from thunder_batch.compile.step import program_stats as step_program_stats
 from thunder_batch.config import EngineConfig, StepShape
+from thunder_batch.kv_cache import copy_entries
 from thunder_batch.model import check_supported
 from thunder_batch.program import HEADS, StepProgram
 from thunder_batch.scheduler import SlotWork, StepPlan
@@ -79,6 +80,7 @@ class Runner:
         self.gpt = gpt
         self.program = StepProgram(gpt, config.batch_size, config.max_seq_length, config.prefill_chunk)
         self.caches = list(self.program.caches)  # one SlotKVCache per layer
+        self.stored: dict[int, list] = {}  # stored prefix -> its entries per layer (prefix_store)
         self.step_fn = load_or_compile_program(self.program, config, self.probe_inputs)
         self.verify_fn = None  # speculative decoding: the verify program, over the same caches
         if config.speculative_tokens:
@@ -182,13 +184,13 @@ class Runner:
             return work.slot
         return self.config.batch_size + work.lane * self.lane_len(bool(work.draft))
 
-    def copy_prefixes(self, copies) -> None:
-        """Copy cache entries between slots (PrefixCopy: src, dst, start, end), in every layer, in place:
-        the step program (traced, loaded, or a CUDA graph) reads and writes these same buffers."""
-        for cache in self.caches:
-            for c in copies:
-                for buf in (cache.k, cache.v):  # [B, G, S + 1 + C, D]
-                    buf[c.dst, :, c.start : c.end].copy_(buf[c.src, :, c.start : c.end])
+    def copy_prefixes(self, copies, dropped=()) -> None:
+        """Copy cache entries between slots, to host memory and back (kv_cache.copy_entries), then free
+        the `dropped` stored prefixes. In place: the step program (traced, loaded, or a CUDA graph)
+        reads and writes these same buffers."""
+        copy_entries(self.caches, copies, self.stored)
+        for entry in dropped:
+            del self.stored[entry]
 
     def warmup(self, progress: bool = False) -> dict[str, float]:
         """Run every step shape once with all slots empty (padding writes only scratch entries), so
@@ -230,7 +232,7 @@ class Runner:
             head = head_for(plan, None if len(self.head_variants) > 1 else self.head_variants[0])
         fn = self.verify_fn if plan.verify else self.step_fn
         with torch.no_grad():
-            self.copy_prefixes(plan.copies)
+            self.copy_prefixes(plan.copies, plan.dropped)
             out = fn(*self.inputs_for(plan, shape).as_args(), head=f"verify_{head}" if plan.verify else head)
         if plan.verify:
             return _verify_result(out)

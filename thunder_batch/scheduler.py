@@ -6,6 +6,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from thunder_batch.prefix_store import PrefixRestore, PrefixSave, PrefixStore, common_prefix
 from thunder_batch.request import Request
 
 
@@ -40,8 +41,9 @@ class PrefixCopy:
 @dataclass(frozen=True)
 class StepPlan:
     work: list[SlotWork]
-    copies: tuple[PrefixCopy, ...] = ()  # done, in order, before the step runs
+    copies: tuple[PrefixCopy | PrefixSave | PrefixRestore, ...] = ()  # done, in order, before the step runs
     verify: bool = False  # lanes are verify lanes (drafts checked), not prefill lanes
+    dropped: tuple[int, ...] = ()  # stored prefixes to free once the copies are done
 
     @property
     def busy_lanes(self) -> int:
@@ -64,7 +66,9 @@ class Scheduler:
     recently used), and copies a longer prefix from another slot, busy or free, when it saves at least
     `copy_min` tokens. A request waits while a slot still reading its prompt will soon hold a chunk
     or more of its prefix, `copy_min` more than any slot holds now (a burst sharing one system prompt
-    reads it once). Requests asking for prompt logprobs feed every prompt token.
+    reads it once). Requests asking for prompt logprobs feed every prompt token. With `store_tokens`,
+    kept entries about to be written over are saved to host memory first, up to that many tokens in
+    all, and restored into the slot of a prompt sharing more of them than any slot holds (prefix_store).
 
     A decoding slot (one pending token) feeds it through its decode row, every step: decode never
     pauses. Slots with prompt left take prefill lanes in admission order, up to `chunk` tokens each
@@ -81,9 +85,11 @@ class Scheduler:
         lane_counts: tuple[int, ...] = (),
         prefix_reuse: bool = False,
         copy_min: int = 1,
+        store_tokens: int = 0,
     ) -> None:
         self.chunk, self.lane_counts = chunk, lane_counts
         self.prefix_reuse, self.copy_min = prefix_reuse, copy_min
+        self.store = PrefixStore(store_tokens) if prefix_reuse and store_tokens else None
         self.slots: list[Request | None] = [None] * num_slots
         self.waiting: deque[Request] = deque()
         self._admitted = itertools.count()
@@ -125,14 +131,18 @@ class Scheduler:
             self.waiting.remove(request)
 
     def drop_kept(self) -> None:
-        """Forget every slot's kept tokens (weights changed, a step failed): free slots' now, busy slots'
-        as sources at once and as kept tokens when they are freed."""
+        """Forget every slot's kept tokens and every stored prefix (weights changed, a step failed): free
+        slots' now, busy slots' as sources at once and as kept tokens when they are freed."""
         self.kept = [[] for _ in self.slots]
+        if self.store is not None:
+            self.store.clear()
         self._untrusted = {slot for slot, r in enumerate(self.slots) if r is not None}
 
     def step_failed(self, plan: StepPlan) -> None:
         """After a step that raised: its copies may be partial, so their requests compute those entries."""
         for copy in plan.copies:
+            if isinstance(copy, PrefixSave):
+                continue
             request = self.slots[copy.dst]
             if request is not None and request.num_cached == copy.end:
                 request.num_cached = copy.start
@@ -155,7 +165,8 @@ class Scheduler:
         prefilling.sort(key=self._admission.__getitem__)
         for lane, slot in enumerate(prefilling[: self._lanes_open(len(prefilling))]):
             work.append(self._lane_work(lane, slot, self.slots[slot]))
-        return StepPlan(work, tuple(copies)) if work else None
+        dropped = self.store.take_dropped() if self.store is not None else ()
+        return StepPlan(work, tuple(copies), dropped=dropped) if work else None
 
     def _lanes_open(self, prefilling: int) -> int:
         """Lanes for this step: the largest lane count that `prefilling` slots fill, at least the first."""
@@ -184,18 +195,24 @@ class Scheduler:
         self._admission[slot] = next(self._admitted)
         self.kept[slot] = []  # busy: its request's cached_ids tell what it holds
 
-    def _place_reusing(self, request: Request, free: list[int]) -> list[PrefixCopy]:
+    def _place_reusing(self, request: Request, free: list[int]) -> list:
         """Admit into the free slot sharing the longest prefix (ties: least recently used), from that
-        point; copy a longer prefix from another slot if it saves `copy_min` tokens."""
+        point; copy a longer prefix from another slot or the store if it saves `copy_min` tokens. The
+        slot's kept entries past the shared part are saved to the store first."""
         limit = reusable(request)
         slot, start = max(
             ((s, common_prefix(self.kept[s], request.prompt_ids, limit)) for s in free),
             key=lambda pair: (pair[1], -self._released[pair[0]], -pair[0]),
         )
         free.remove(slot)
-        copies = []
+        copies = self._save_kept(slot, start)
         src, end = self._best_source(request, exclude=slot)
-        if end - start >= self.copy_min:
+        entry, stored = self.store.longest(request.prompt_ids, limit) if self.store is not None else (None, 0)
+        if stored > end and stored - start >= self.copy_min:
+            self.store.use(entry)
+            copies.append(PrefixRestore(entry, slot, start, stored))
+            start = stored
+        elif end - start >= self.copy_min:
             copies.append(PrefixCopy(src, slot, start, end))
             start = end
         self._place(request, slot)
@@ -203,6 +220,14 @@ class Scheduler:
         self.prefix_queries += len(request.prompt_ids)
         self.prefix_hits += start
         return copies
+
+    def _save_kept(self, slot: int, shared: int) -> list[PrefixSave]:
+        """Save a free slot's kept entries before a prompt sharing only `shared` of them writes over the rest."""
+        kept = self.kept[slot]
+        if self.store is None or len(kept) - shared < self.copy_min:
+            return []
+        entry = self.store.add(kept)
+        return [] if entry is None else [PrefixSave(slot, entry, len(kept))]
 
     def _sources(self, exclude: int | None = None):
         """(slot, token ids its first entries hold) of every slot a prompt may copy from."""
@@ -234,7 +259,8 @@ class Scheduler:
             ),
             default=0,
         )
-        return soon >= self.chunk and soon - self._best_source(request)[1] >= self.copy_min
+        held = max(self._best_source(request)[1], self.store.longest(request.prompt_ids, limit)[1] if self.store else 0)
+        return soon >= self.chunk and soon - held >= self.copy_min
 
     def _lane_work(self, lane: int, slot: int, request: Request) -> SlotWork:
         pending = request.pending_ids()
@@ -252,15 +278,3 @@ def reusable(request: Request) -> int:
     """How many prompt tokens may come from a cache: all but the last (its logits give the first
     sample); none when the prompt's own logprobs are asked for (every prompt row is scored)."""
     return 0 if request.params.prompt_logprobs is not None else len(request.prompt_ids) - 1
-
-
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the longest common prefix of a and b, at most `limit` (compared 64 at a time)."""
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i : i + 64] == b[i : i + 64]:
-        i += 64
-    i = min(i, n)
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -48,6 +48,8 @@ class EngineOptions(ModelOptions):
         cache_dir: Compile cache root. Default: $THUNDER_BATCH_CACHE_DIR, else ./compile_cache.
         prefix_reuse: Keep each slot's cache after its request and compute only the part of a new prompt
             past the prefix a slot already holds (a conversation's next turn, a shared system prompt).
+        prefix_store_mb: Host memory (MiB) for slots' kept prefixes that new prompts write over, restored
+            for a later prompt sharing them (more conversations than slots). 0: none.
         speculative_tokens: Speculative decoding: a decoding slot whose last tokens occurred earlier in its
             prompt or output proposes up to this many tokens that followed them, checked in one step
             (outputs are unchanged: greedy and seeded tokens equal those of 0). 0: off.
@@ -62,6 +64,7 @@ class EngineOptions(ModelOptions):
     compile: Literal["thunder", "eager"] = "thunder"
     cache_dir: str | None = None
     prefix_reuse: bool = True
+    prefix_store_mb: int = 1024
     speculative_tokens: int = 0
 
     def engine_config(self):
@@ -77,6 +80,7 @@ class EngineOptions(ModelOptions):
             compile=self.compile,
             cache_dir=self.cache_dir,
             prefix_reuse=self.prefix_reuse,
+            prefix_store_mb=self.prefix_store_mb,
             speculative_tokens=self.speculative_tokens,
         )
 
