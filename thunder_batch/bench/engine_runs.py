@@ -80,6 +80,7 @@ def engine_config(system: str, batch_size: int, ctx: BenchContext, cache_dir: st
         max_prefill_lanes=None if ctx.max_prefill_lanes is None else min(ctx.max_prefill_lanes, batch_size),
         attention_lengths=ctx.attention_lengths,
         prefix_reuse=ctx.prefix_reuse,
+        prefix_store_mb=ctx.prefix_store_mb,
     )
     executors = ENGINE_SYSTEMS[system]
     if executors is None:

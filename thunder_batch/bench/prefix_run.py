@@ -108,6 +108,7 @@ def base_config(opts: dict, batch_size: int) -> EngineConfig:
         prefill_chunk=opts["prefill_chunk"],
         prefill_lanes=min(opts["prefill_lanes"], batch_size),
         max_prefill_lanes=opts["max_prefill_lanes"],
+        prefix_store_mb=opts.get("prefix_store_mb", 1024),
     )
 
 

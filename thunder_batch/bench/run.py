@@ -172,6 +172,7 @@ DEFAULTS = dict(
     attention_lengths=None,
     max_seq_length=None,
     prefix_reuse=True,
+    prefix_store_mb=1024,
     request_rate=math.inf,
     seed=0,
     ignore_eos=False,

@@ -38,6 +38,7 @@ class BenchContext:
     llama_cpp_bin: str | None = None  # a llama.cpp build's bin/ (bench.llama_cpp), else $LLAMA_CPP_BIN
     llama_cpp_gguf: str | None = None  # comma-separated GGUF files of the checkpoint, one per precision
     prefix_reuse: bool = True  # engines keep their slots' caches for prompts sharing a prefix
+    prefix_store_mb: int = 1024  # host memory for kept prefixes that new prompts write over
 
     @classmethod
     def from_options(cls, gpt, tokenizer, opts: dict, max_seq_length: int) -> BenchContext:
@@ -59,6 +60,7 @@ class BenchContext:
             llama_cpp_bin=None if opts.get("llama_cpp_bin") is None else str(opts["llama_cpp_bin"]),
             llama_cpp_gguf=opts.get("llama_cpp_gguf"),
             prefix_reuse=opts.get("prefix_reuse", True),
+            prefix_store_mb=opts.get("prefix_store_mb", 1024),
         )
 
     @property

@@ -25,6 +25,7 @@ def bench(
     turns: int = 8,
     repeats: int = 1,
     prefix_reuse: bool = True,
+    prefix_store_mb: int = 1024,
     speculative_tokens: str = "0",
     request_rate: float = math.inf,
     seed: int = 0,
@@ -69,6 +70,8 @@ def bench(
         repeats: Runs of each multi-turn / shared-prefix workload with reuse off and on, alternating; the
             fastest of each is compared (the machine's noise).
         prefix_reuse: Engines keep their slots' caches for prompts sharing a prefix (the other datasets).
+        prefix_store_mb: Host memory (MiB) for kept prefixes that new prompts write over (0: none, so
+            only the slots keep prefixes).
         speculative_tokens: Comma-separated draft lengths k, e.g. "0,4,8": other than "0", runs the
             engine systems of `systems` (thunder-default when none is named) at each batch size and each
             k on the dataset, greedy, and reports decode tok/s, tokens per decode step, the drafts'
@@ -136,6 +139,7 @@ RUN_OPTIONS = (
     "attention_lengths",
     "max_seq_length",
     "prefix_reuse",
+    "prefix_store_mb",
     "request_rate",
     "seed",
     "ignore_eos",
