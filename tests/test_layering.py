@@ -17,7 +17,7 @@ LAYERS = [
     (
         "pure Python",
         ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]
-        + ["fallbacks", "text_encoding", "drafts"],
+        + ["fallbacks", "text_encoding", "drafts", "prefix_store"],
     ),
     (
         "torch",
@@ -35,6 +35,7 @@ PURE_NO_TORCH = [  # DESIGN: pure Python, no torch
     "request",
     "stops",
     "scheduler",
+    "prefix_store",
     "drafts",
     "versions",
     "fallbacks",

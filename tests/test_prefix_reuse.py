@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch.prefix_store import PrefixRestore, PrefixSave
 from thunder_batch.request import Request
 from thunder_batch.scheduler import PrefixCopy, Scheduler, common_prefix
 
@@ -270,14 +271,17 @@ def test_thunder_in_place_writes_and_recorded_graphs_see_the_copied_entries(tmp_
     st.integers(1, 5),
     st.integers(1, 6),
     st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(1, 14), st.integers(1, 4)), max_size=10),
+    st.sampled_from([0, 12, 40, 1000]),
 )
-def test_random_traffic_every_fed_token_sees_its_own_tokens_before_it(num_slots, chunk, copy_min, arrivals):
-    """A model of the caches (token id per slot and position) under random prompts drawn from a few
-    shared stems, finished and aborted requests, copies and reuse: every token is fed at a position
-    whose entries before it hold exactly its request's tokens, and every request gets all its tokens."""
-    s = Scheduler(num_slots, chunk, (1,) if chunk > 1 else (), prefix_reuse=True, copy_min=copy_min)
+def test_random_traffic_every_fed_token_sees_its_own_tokens_before_it(num_slots, chunk, copy_min, arrivals, store):
+    """A model of the caches (token id per slot and position, and per stored prefix) under random prompts
+    drawn from a few shared stems, finished and aborted requests, copies, saves, restores and reuse, with
+    a host store of `store` tokens: every token is fed at a position whose entries before it hold exactly
+    its request's tokens, a restore reads only entries still stored, and every request gets all its tokens."""
+    s = Scheduler(num_slots, chunk, (1,) if chunk > 1 else (), prefix_reuse=True, copy_min=copy_min, store_tokens=store)
     stems = [[7] * 20, list(range(20)), [7] * 5 + list(range(15))]
     cache = [dict() for _ in range(num_slots)]  # slot -> {position: token id}
+    stored = {}  # stored prefix -> {position: token id}
     pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])
     live = {}
     for step in range(300):
@@ -296,7 +300,14 @@ def test_random_traffic_every_fed_token_sees_its_own_tokens_before_it(num_slots,
                 break
             continue
         for c in plan.copies:
-            cache[c.dst].update({p: cache[c.src][p] for p in range(c.start, c.end)})
+            if isinstance(c, PrefixSave):
+                stored[c.entry] = {p: cache[c.src][p] for p in range(c.end)}
+            else:
+                source = stored[c.entry] if isinstance(c, PrefixRestore) else cache[c.src]
+                cache[c.dst].update({p: source[p] for p in range(c.start, c.end)})
+        for entry in plan.dropped:
+            del stored[entry]
+        assert store or not stored
         for w in plan.work:
             known = w.request.prompt_ids + w.request.output_ids
             assert [cache[w.slot].get(p) for p in range(w.start_pos)] == known[: w.start_pos]
