@@ -134,6 +134,7 @@ def test_stats_count_steps_and_tokens():
     assert stats["cache_misses"] == 0 and stats["programs"] == {} and stats["traced"] == 0  # eager: nothing traced
     assert stats["step_shapes"] == [
         "4 decode rows, attend 64",
+        "1x8 prefill + 4 decode rows, attend 64",
         "2x8 prefill + 4 decode rows, attend 64",
         "4x8 prefill + 4 decode rows, attend 64",
     ]

@@ -102,16 +102,16 @@ def test_ladder_rungs_follow_the_longest_busy_position():
 def test_step_shapes_are_listed_and_bounded():
     config = EngineConfig(batch_size=4, max_seq_length=1500, prefill_chunk=16, prefill_lanes=2)
     assert config.ladder == (256, 512, 1024, 1500)
-    assert config.lane_counts == (2, 4) and config.step_rows(2) == 4 + 2 * 16
-    assert len(config.step_shapes) == 3 * 4  # (no lanes, 2, 4) x 4 rungs
-    assert EngineConfig(batch_size=128, prefill_chunk=16).lane_counts == (2, 8, 32, 128)
-    assert EngineConfig(batch_size=128, prefill_chunk=16, max_prefill_lanes=2).lane_counts == (2,)
+    assert config.lane_counts == (1, 2, 4) and config.step_rows(2) == 4 + 2 * 16
+    assert len(config.step_shapes) == 4 * 4  # (no lanes, 1, 2, 4) x 4 rungs
+    assert EngineConfig(batch_size=128, prefill_chunk=16).lane_counts == (1, 2, 8, 32, 128)
+    assert EngineConfig(batch_size=128, prefill_chunk=16, max_prefill_lanes=2).lane_counts == (1, 2)
     assert EngineConfig(max_seq_length=256).ladder == (256,)
     assert EngineConfig(max_seq_length=100, prefill_chunk=8, attention_lengths=[64, 32]).ladder == (32, 64, 100)
     # defaults follow the other fields, also through dataclasses.replace
     small = dataclasses.replace(EngineConfig(), batch_size=1, max_seq_length=300)
     assert (small.admit_lanes, small.lane_counts, small.ladder) == (1, (1,), (256, 300))
-    assert dataclasses.replace(EngineConfig(batch_size=4), batch_size=64).lane_counts == (2, 8, 32, 64)
+    assert dataclasses.replace(EngineConfig(batch_size=4), batch_size=64).lane_counts == (1, 2, 8, 32, 64)
     assert EngineConfig(prefill_chunk=1).step_shapes == tuple(StepShape(0, r) for r in (256, 512, 1024))  # no lanes
     stats = eager(tiny_gpt("llama"), batch_size=2, prefill_chunk=4).stats()
     assert stats["step_shapes"][0] == "2 decode rows, attend 8" and len(stats["step_shapes"]) == 8  # B = 2: lanes (2,)
@@ -152,7 +152,7 @@ def test_thunder_every_shape_matches_eager_bit_for_bit(tmp_path):
         results[mode] = [(r.token_ids, [float(x).hex() for x in r.logprobs]) for r in out]
         if mode == "thunder":
             used = engine.stats()["cache_misses"]
-            assert 1 < used <= len(engine.config.step_shapes) == 12  # (no lanes, 2, 3 lanes) x 4 rungs
+            assert 1 < used <= len(engine.config.step_shapes) == 16  # (no lanes, 1, 2, 3 lanes) x 4 rungs
             engine.warmup()
-            assert engine.stats()["cache_misses"] == 12
+            assert engine.stats()["cache_misses"] == 16
     assert results["thunder"] == results["eager"]

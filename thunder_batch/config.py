@@ -213,11 +213,12 @@ class EngineConfig:
 
     @functools.cached_property
     def lane_counts(self) -> tuple[int, ...]:
-        """Lanes a mixed step may have: P, then x4 up to the burst lanes (which end it). Empty when
-        prompts go in one token per step through the decode rows (no lanes, or a chunk of 1)."""
+        """Lanes a mixed step may have: 1, P, then x4 up to the burst lanes (which end it). Empty when
+        prompts go in one token per step through the decode rows (no lanes, or a chunk of 1). One lane
+        first: a lone prompt (a server's usual arrival) costs a step of B + C rows, not B + P*C."""
         if not self.admit_lanes or self.prefill_chunk == 1:
             return ()
-        counts = [self.admit_lanes]
+        counts = [1, self.admit_lanes]
         while counts[-1] * 4 < self.burst_lanes:
             counts.append(counts[-1] * 4)
         return tuple(sorted({*counts, self.burst_lanes}))
