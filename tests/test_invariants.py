@@ -197,8 +197,9 @@ def _kw(params):
 @pytest.mark.fusion
 def test_mixed_traffic_never_retraces_and_matches_eager(tmp_path):
     """Invariant 8, with the default executors: joins, leaves, aborts, stops and mixed sampling settings
-    make the three shapes the workload needs (decode only, one lane, two lanes) and nothing more, the same traffic again traces nothing,
-    every token equals the eager program's (sampling included), and no traced piece syncs with the host.
+    make the three shapes the workload needs (decode only, one lane, two lanes) and nothing more, the
+    same traffic again traces nothing, every token equals the eager program's (sampling included), and
+    no traced piece syncs with the host.
     A compile cache of its own: every piece is traced here, so its traces can be read."""
     engine = engine_for("thunder", cache_dir=str(tmp_path))
     want = _mixed_workload(eager_engine())
