@@ -40,4 +40,4 @@ print(
     f"cache_misses={stats['cache_misses']} (step shapes {stats['step_shapes']}), steps={stats['steps']}, "
     f"generated_tokens={stats['generated_tokens']}"
 )
-assert same == len(prompts) and stats["cache_misses"] <= 2
+assert same == len(prompts) and stats["cache_misses"] <= 3

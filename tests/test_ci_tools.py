@@ -77,7 +77,7 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert set(checks) == {"thunder_vs_eager", "eager_vs_litgpt_generate_fn"} and all(
         c["match"] for c in checks.values()
     )
-    assert report["parity"]["step_shapes"] == 2 and len(report["parity"]["compile_s"]["thunder"]) == 2
+    assert report["parity"]["step_shapes"] == 3 and len(report["parity"]["compile_s"]["thunder"]) == 3
     assert (
         report["parity"]["thunder_stats"]["traced"] > 0 and report["parity"]["thunder_stats"]["trace_speedups"] == "on"
     )

@@ -37,7 +37,7 @@ def test_cache_writes_run_in_place_and_match_eager():
     writes = [names.count((INDEX_COPY_OPERATOR, "thunder_batch")) for names in per_trace]
     assert sorted(set(writes)) == [0, 2], writes  # each block program: K and V in place; prefix and heads: none
     assert not any(("index_copy", "torch") in names for names in per_trace)
-    assert traced.stats()["cache_misses"] == 2
+    assert traced.stats()["cache_misses"] == 3  # decode only, 1 and 2 lanes
 
 
 def test_out_of_place_scatter_is_left_alone():

@@ -239,10 +239,12 @@ def _mixed_workload(engine: Engine):
         )
         for i in range(9)
     ]
+    engine.reset_prefix_cache()  # each run from the same state: no prompt reuses the last run's entries
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    engine.step()
-    engine.abort(ids[2])  # leaves mid-prefill
     results = {}
+    for out in engine.step():
+        results.setdefault(out.request_id, []).extend(out.token_ids)
+    engine.abort(ids[2])  # leaves mid-prefill
     while engine.has_unfinished():
         for out in engine.step():
             results.setdefault(out.request_id, []).extend(out.token_ids)

@@ -17,8 +17,8 @@ from thunder_batch.scheduler import StepPlan
 from helpers import mixed_prompts, tiny_gpt
 
 CONFIG = dict(batch_size=3, max_seq_length=48, prefill_chunk=4, prefill_lanes=2)
-# (rows, entries read): decode only; 3 decode rows + 2 lanes of 4; + 3 lanes (every slot reading a prompt)
-SHAPES = [(3, 48), (3 + 2 * 4, 48), (3 + 3 * 4, 48)]
+# (rows, entries read): decode only; 3 decode rows + 1 lane of 4; + 2 lanes; + 3 lanes (every slot reading a prompt)
+SHAPES = [(3, 48), (3 + 4, 48), (3 + 2 * 4, 48), (3 + 3 * 4, 48)]
 BLOCK_IDX = (("submodule", "block.attn"), ("attr", "block_idx"))
 
 
@@ -53,15 +53,15 @@ def block_programs(engine: Engine, shape: tuple[int, int]) -> list[int]:
 def test_uniform_layers_share_one_block_trace(tmp_path):
     engine = engine_for(tiny_gpt("llama", n_layer=4), tmp_path)
     assert run(engine) == run(Engine(tiny_gpt("llama", n_layer=4), EngineConfig(compile="eager", **CONFIG)))
-    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 0, 0]] * 3
+    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 0, 0]] * len(SHAPES)
     stats = engine.stats()
-    assert stats["programs"] == {"prefix": 3, "block": 3, "head-filtered": 3, "head-unfiltered": 3, "head-greedy": 3}
+    assert stats["programs"] == {"prefix": 4, "block": 4, "head-filtered": 4, "head-unfiltered": 4, "head-greedy": 4}
     # At the first shape, layer 1 is traced once more: its trace equals layer 0's, so the value their
     # checks differ on (litgpt's block_idx) is learned not to matter; no other layer traces anything.
-    assert engine.runner.step_fn.traced["block"] == 3
+    assert engine.runner.step_fn.traced["block"] == 4
     assert engine.runner.step_fn.traced["block (same as an earlier layer)"] == 1
     assert engine.runner.step_fn.ignored == {BLOCK_IDX}
-    assert stats["thunder_traces"] == 3 + 3 + 1 + 9  # Thunder's own count agrees: each piece traced once
+    assert stats["thunder_traces"] == 4 + 4 + 1 + 12  # Thunder's own count agrees: each piece traced once
 
 
 @pytest.mark.parametrize("compile", ["eager", "thunder"])
@@ -96,14 +96,14 @@ def test_a_layer_with_a_different_attribute_gets_its_own_trace(tmp_path):
     assert eager != run(Engine(tiny_gpt("llama", n_layer=4), EngineConfig(compile="eager", **CONFIG)))  # it matters
     engine = engine_for(model(), tmp_path)
     assert run(engine) == eager
-    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 1, 0]] * 3
+    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 1, 0]] * len(SHAPES)
 
 
 @pytest.mark.regression
 def test_alternating_sliding_windows_get_two_block_traces(tmp_path):
     engine = engine_for(tiny_gpt("gemma2_window"), tmp_path)
     assert run(engine) == run(Engine(tiny_gpt("gemma2_window"), EngineConfig(compile="eager", **CONFIG)))
-    assert [block_programs(engine, w) for w in SHAPES] == [[0, 1, 0, 1]] * 3
+    assert [block_programs(engine, w) for w in SHAPES] == [[0, 1, 0, 1]] * len(SHAPES)
 
 
 @pytest.mark.regression
@@ -112,7 +112,7 @@ def test_whole_step_trace_gives_the_same_outputs(tmp_path):
     whole = Engine(tiny_gpt("pythia"), EngineConfig(**CONFIG, trace="step"))
     whole.warmup()
     assert run(whole) == layered
-    assert whole.stats()["programs"] == {"step": 3}  # one whole trace per shape, always with the sort
+    assert whole.stats()["programs"] == {"step": 4}  # one whole trace per shape, always with the sort
 
 
 def test_trace_modes_are_checked():
@@ -128,7 +128,7 @@ def test_stored_layout_is_used_only_where_its_checks_pass(tmp_path):
     want = run(cold)
     warm = engine_for(tiny_gpt("llama", n_layer=4), tmp_path)
     assert run(warm) == want
-    assert (warm.stats()["traced"], warm.stats()["disk_cache_hits"], warm.stats()["thunder_traces"]) == (0, 15, 0)
+    assert (warm.stats()["traced"], warm.stats()["disk_cache_hits"], warm.stats()["thunder_traces"]) == (0, 20, 0)
 
     def changed():
         gpt = tiny_gpt("llama", n_layer=4)
@@ -140,6 +140,6 @@ def test_stored_layout_is_used_only_where_its_checks_pass(tmp_path):
         warnings.simplefilter("error", CompileCacheWarning)
         outputs = run(engine)
     assert outputs == run(Engine(changed(), EngineConfig(compile="eager", **CONFIG)))
-    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 0, 1]] * 3
-    assert engine.runner.step_fn.traced == {"block": 3}  # layer 3 at each shape; everything else loaded
-    assert engine.stats()["thunder_traces"] == 3
+    assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 0, 1]] * len(SHAPES)
+    assert engine.runner.step_fn.traced == {"block": 4}  # layer 3 at each shape; everything else loaded
+    assert engine.stats()["thunder_traces"] == 4

@@ -114,7 +114,8 @@ def test_step_shapes_are_listed_and_bounded():
     assert dataclasses.replace(EngineConfig(batch_size=4), batch_size=64).lane_counts == (1, 2, 8, 32, 64)
     assert EngineConfig(prefill_chunk=1).step_shapes == tuple(StepShape(0, r) for r in (256, 512, 1024))  # no lanes
     stats = eager(tiny_gpt("llama"), batch_size=2, prefill_chunk=4).stats()
-    assert stats["step_shapes"][0] == "2 decode rows, attend 8" and len(stats["step_shapes"]) == 8  # B = 2: lanes (2,)
+    # B = 2: lanes (1, 2)
+    assert stats["step_shapes"][0] == "2 decode rows, attend 8" and len(stats["step_shapes"]) == 12
 
 
 @pytest.mark.parametrize(

@@ -50,8 +50,8 @@ def test_eager_matches_litgpt(family, ladder):
 def test_thunder_matches_litgpt(family, thunder_engine):
     engine = thunder_engine(family)
     run_parity(family, engine)
-    # this traffic runs decode-only and 2-lane steps (never 4 slots reading prompts at once), all 64 entries
-    assert engine.stats()["cache_misses"] == 2
+    # this traffic runs decode-only, 1- and 2-lane steps (never 4 slots reading prompts at once), all 64 entries
+    assert engine.stats()["cache_misses"] == 3
 
 
 @pytest.mark.regression
@@ -59,7 +59,7 @@ def test_thunder_matches_litgpt(family, thunder_engine):
 def test_thunder_matches_litgpt_with_an_attention_ladder(family):
     engine = Engine(tiny_gpt(family), EngineConfig(compile="thunder", attention_lengths=LADDER, **ENGINE_CONFIG))
     run_parity(family, engine)
-    assert 2 < engine.stats()["cache_misses"] <= len(engine.config.step_shapes) == 9  # (0, 2, 4 lanes) x 3 rungs
+    assert 2 < engine.stats()["cache_misses"] <= len(engine.config.step_shapes) == 12  # (0, 1, 2, 4 lanes) x 3 rungs
 
 
 @torch.no_grad()
