@@ -69,6 +69,7 @@ def test_an_aborted_request_is_not_stored_and_reset_or_a_failed_step_empties_the
     engine.generate([other], SamplingParams(max_new_tokens=2))  # `first` stored again
     engine.reset_prefix_cache()
     assert engine.stats()["prefix_store_tokens"] == 0
+    assert engine.step() == []  # an idle step plans nothing: the entries to free wait for the next plan
     engine.generate([first], SamplingParams(max_new_tokens=2))
     assert engine.runner.stored == {}  # the cleared entries were freed with the next step
 

@@ -82,23 +82,23 @@ def test_thunder_server_traces_once_then_loads_from_the_compile_cache(
 ):
     assert not cache_dir.exists(), "this test runs first in its module, on an empty cache"
     args = [f"--{k}={v}" for k, v in ENGINE.items()] + ["--cache_dir", str(cache_dir)]
-    # Cold: per shape a prefix, three heads and the block (3 shapes: decode only, 2 and 4 lanes: 15
+    # Cold: per shape a prefix, three heads and the block (4 shapes: decode only, 1, 2 and 4 lanes: 20
     # programs; the second layer is traced once more at the first shape, to learn that block_idx does
     # not matter). Warm: all loaded.
-    for run, (traced, loaded) in enumerate([(16, 0), (0, 15)]):
+    for run, (traced, loaded) in enumerate([(21, 0), (0, 20)]):
         server = Server(tmp_path / f"server{run}.log", two_layer_checkpoint, *args, compile="thunder")
         try:
             assert completions(server) == expected
             stats = server.wait_all_free()
             # Every step shape made once at startup (traced cold, loaded warm); no request retraced.
-            assert stats["cache_misses"] == 3
+            assert stats["cache_misses"] == 4
             assert (stats["traced"], stats["disk_cache_hits"]) == (traced, loaded), stats
-            heads = {"head-filtered": 3, "head-unfiltered": 3, "head-greedy": 3}
-            assert stats["programs"] == {"prefix": 3, "block": 3, **heads}
+            heads = {"head-filtered": 4, "head-unfiltered": 4, "head-greedy": 4}
+            assert stats["programs"] == {"prefix": 4, "block": 4, **heads}
             assert stats["cache_hits"] > 0
         finally:
             assert server.stop() == 0, server.log()
-    assert len(list(cache_dir.glob("*.json"))) == 18  # 15 pieces and each shape's block layout
+    assert len(list(cache_dir.glob("*.json"))) == 24  # 20 pieces and each shape's block layout
 
 
 # -- under load ---------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_a_burst_of_four_times_capacity_gets_429s_and_every_answer_is_its_own(
         server.wait_all_free()
         family, memory = {p.pid for p in server.family()}, rss(server)
         stats = server.stats()
-        assert stats["traced"] == 0 and stats["disk_cache_hits"] == 30  # both workers loaded every piece
+        assert stats["traced"] == 0 and stats["disk_cache_hits"] == 40  # both workers loaded every piece
 
         n = 4 * CAPACITY
         with ThreadPoolExecutor(n) as pool:
@@ -153,7 +153,7 @@ def test_a_burst_of_four_times_capacity_gets_429s_and_every_answer_is_its_own(
 
         stats = server.wait_all_free()
         assert stats["cancels_pending"] == 0 and stats["free_slots"] == 2 * ENGINE["batch_size"]
-        assert stats["cache_misses"] == 6 and stats["traced"] == 0  # no request retraced on either worker
+        assert stats["cache_misses"] == 8 and stats["traced"] == 0  # no request retraced on either worker
         assert {p.pid for p in server.family()} == family  # no process left behind, none lost
         assert rss(server) < 1.1 * memory, (rss(server), memory)
     finally:

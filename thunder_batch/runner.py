@@ -189,8 +189,8 @@ class Runner:
         the `dropped` stored prefixes. In place: the step program (traced, loaded, or a CUDA graph)
         reads and writes these same buffers."""
         copy_entries(self.caches, copies, self.stored)
-        for entry in dropped:
-            del self.stored[entry]
+        for entry in dropped:  # a save that a failed step never reached left nothing to free
+            self.stored.pop(entry, None)
 
     def warmup(self, progress: bool = False) -> dict[str, float]:
         """Run every step shape once with all slots empty (padding writes only scratch entries), so

@@ -165,8 +165,10 @@ class Scheduler:
         prefilling.sort(key=self._admission.__getitem__)
         for lane, slot in enumerate(prefilling[: self._lanes_open(len(prefilling))]):
             work.append(self._lane_work(lane, slot, self.slots[slot]))
-        dropped = self.store.take_dropped() if self.store is not None else ()
-        return StepPlan(work, tuple(copies), dropped=dropped) if work else None
+        if not work:
+            return None
+        dropped = self.store.take_dropped() if self.store is not None else ()  # freed by this plan's runner call
+        return StepPlan(work, tuple(copies), dropped=dropped)
 
     def _lanes_open(self, prefilling: int) -> int:
         """Lanes for this step: the largest lane count that `prefilling` slots fill, at least the first."""
