@@ -4,7 +4,8 @@ Every linear of SmolLM2-135M (30 layers x qkv, proj, fc_1, fc_2, mlp.proj, plus 
 weights so nothing stays in cache, at M rows: weight bytes / time per pass over all of them, against a
 plain read of the same bytes. Kernels: aten F.linear, oneDNN prepacked (`_linear_pointwise`), MKL
 packed (fp32), and the project's own kernels (`thunder_batch.native`: fp32; bf16 where the CPU has
-AVX512-BF16) when built.
+AVX512-BF16 or AVX2, on AMX tiles where the CPU has AMX-BF16) when built. At prompt-step rows the
+GFLOP/s column is the one that counts.
 
     python benchmarks/linear_bandwidth.py --rows 1,8 --dtypes bfloat16,float32
 """
@@ -52,14 +53,13 @@ def kernels(ws, x_for, rows: int, dtype):
             print(f"  mkl-packed unavailable: {e}")
     if dtype == torch.bfloat16:
         try:
-            from thunder_batch.native.build import bf16_available, pack_linear_weight_bf16, packed_linear_bf16
+            from thunder_batch.native.build import amx_runs, bf16_available, pack_linear_weight_bf16, packed_linear_bf16
 
             if not bf16_available():
                 raise RuntimeError("no AVX512-BF16 here, or the kernels are not built")
             ours = [pack_linear_weight_bf16(w) for w in ws]
-            out["packed_linear_bf16"] = lambda: [
-                packed_linear_bf16(x_for(w), p, None, w.shape[0]) for w, p in zip(ws, ours)
-            ]
+            name = "packed_bf16/amx" if amx_runs(ws[0].shape[1]) else "packed_bf16"  # AMX tiles where present
+            out[name] = lambda: [packed_linear_bf16(x_for(w), p, None, w.shape[0]) for w, p in zip(ws, ours)]
         except Exception as e:
             print(f"  packed_linear_bf16 unavailable: {type(e).__name__}: {e}")
     if dtype == torch.float32:
@@ -89,6 +89,7 @@ def main() -> None:
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         ws = weights(dtype, args.layers)
         total = sum(w.numel() * w.element_size() for w in ws)
+        w_bytes = ws[0].element_size()
         flat = torch.cat([w.reshape(-1) for w in ws])
         words = flat.view(torch.float32)  # the same bytes, summed as float32 words: a plain read
         read = best(words.sum, args.reps)
@@ -105,8 +106,11 @@ def main() -> None:
                 exact = all(torch.equal(a, b) for a, b in zip(got, reference))
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, reference))
                 s = best(fn, args.reps)
-                rate = total / s / 1e9
-                print(f"  M={rows:<3} {name:<14} {s * 1e3:7.2f} ms  {rate:5.1f} GB/s  exact={exact} err={err:.2e}")
+                rate, flops = total / s / 1e9, 2 * rows * total / w_bytes / s / 1e9
+                print(
+                    f"  M={rows:<3} {name:<15} {s * 1e3:7.2f} ms  {rate:5.1f} GB/s  {flops:6.0f} GFLOP/s"
+                    f"  exact={exact} err={err:.2e}"
+                )
         del ws, flat
 
 

@@ -16,6 +16,7 @@ from thunder_batch.bench.metrics import ModelCost, RequestTrace, summary
 from thunder_batch.bench.parity import compare_tokens
 from thunder_batch.bench.workloads import build_workload, load_prompts, poisson_arrivals, same_length_groups
 from thunder_batch.cli.bench import bench as bench_command
+from thunder_batch.native import build
 
 from helpers import tiny_gpt
 
@@ -451,3 +452,9 @@ def test_two_precision_run_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "reference tokens per precision: float32: eager@B=2, bfloat16: eager@B=1" in printed
     assert f"x seq: over litgpt-sequential {base['precision']}" in printed
+    from thunder_batch.compile.project_executor import linear_kernels
+
+    kernels = saved["meta"]["linear_kernels"]  # the CPU's linear kernels per precision, printed
+    assert kernels == linear_kernels() and f"CPU linears: float32 {kernels['float32']}; bfloat16" in printed
+    if {"amx_bf16", "amx_tile"} <= build.cpu_flags():
+        assert "bfloat16 AMX tiles, any rows (bf16 weights are the fast path here)" in printed

@@ -55,19 +55,21 @@ def test_packed_linear_matches_torch(rows, out_features, bias):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+BF16_CASES = [(1, 48, True), (2, 40, False), (5, 37, False), (16, 16, True), (3, 1000, False), (1, 1000, True)]
+BF16_CASES += [(8, 2100, True), (40, 40, False), (130, 40, True)]
+
+
 @pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
-@pytest.mark.parametrize(
-    "rows,out_features,bias",
-    [(1, 48, True), (2, 40, False), (5, 37, False), (16, 16, True), (3, 1000, False), (1, 1000, True)]
-    + [(8, 2100, True), (130, 40, True)],
-)
-def test_bf16_packed_linear_is_torchs_result_up_to_the_last_bit(rows, out_features, bias):
+@pytest.mark.parametrize("in_features", [64, 48])  # on AMX: 64 runs the tiles (32 inputs each), 48 vdpbf16ps
+@pytest.mark.parametrize("rows,out_features,bias", BF16_CASES)
+def test_bf16_packed_linear_is_torchs_result_up_to_the_last_bit(rows, out_features, bias, in_features):
     """float32 accumulation of exact bf16 products, rounded once: within one bf16 rounding of the exact
-    product, and torch's own bf16 result for nearly every output (they differ in summation order only)."""
+    product, and torch's own bf16 result for nearly every output (they differ in summation order only).
+    Every path: AMX (one or two row tiles of 32-row passes, one or two blocks), vdpbf16ps, AVX2."""
     assert build.bf16_available()
     g = torch.Generator().manual_seed(rows)
-    w = (torch.randn(out_features, 64, generator=g) * 0.1).bfloat16()
-    x = torch.randn(2, rows, 64, generator=g).bfloat16()
+    w = (torch.randn(out_features, in_features, generator=g) * 0.1).bfloat16()
+    x = torch.randn(2, rows, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16() if bias else None
     got = build.packed_linear_bf16(x, build.pack_linear_weight_bf16(w), b, out_features)
     exact = x.double() @ w.double().T + (b.double() if bias else 0)
@@ -76,13 +78,39 @@ def test_bf16_packed_linear_is_torchs_result_up_to_the_last_bit(rows, out_featur
     assert (got == torch.nn.functional.linear(x, w, b)).float().mean() > 0.95
 
 
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+@pytest.mark.parametrize("in_features", [64, 48])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, in_features):
+    """Bit for bit, alone or among 1-70 others at any place: a slot's tokens are the same in a decode step,
+    a prompt lane or a verify lane (speculative decoding and prefix reuse are exact on this)."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(200, in_features, generator=g) * 0.1).to(dtype)
+    x = torch.randn(71, in_features, generator=g).to(dtype)
+    pack, linear = (
+        (build.pack_linear_weight, build.packed_linear)
+        if dtype == torch.float32
+        else (build.pack_linear_weight_bf16, build.packed_linear_bf16)
+    )
+    packed = pack(w)
+    alone = torch.cat([linear(x[i : i + 1], packed, None, 200) for i in range(len(x))])
+    for rows in (2, 8, 17, 33, 71):
+        assert torch.equal(linear(x[:rows], packed, None, 200), alone[:rows]), rows
+
+
 def test_bf16_linears_are_claimed_only_where_a_kernel_runs_them():
-    """The native bf16 kernel (vdpbf16ps, or widening on AVX2) or oneDNN's bf16 linear; else torch's."""
-    from thunder_batch.compile.project_executor import claims_linear, native_bf16, packed_linear
+    """The native bf16 kernel (AMX, vdpbf16ps, or widening on AVX2) or oneDNN's bf16 linear; else torch's.
+    A prompt step's rows go to the native kernel where it is the fastest there: AMX, or AVX2 only."""
+    from thunder_batch.compile.project_executor import PACKED_ROWS, claims_linear, native_bf16, packed_linear
 
     bf16 = torch.bfloat16
     runs_here = native_bf16(64) or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert claims_linear("cpu", [bf16, bf16], (64, 64), 4) == runs_here
+    amx = {"amx_bf16", "amx_tile"} <= build.cpu_flags()
+    assert build.amx_runs(64) == amx and not build.amx_runs(48)
+    if native_bf16(64) and "avx512f" in build.cpu_flags():
+        assert claims_linear("cpu", [bf16, bf16], (64, 64), 520) == amx
+        assert not claims_linear("cpu", [bf16, bf16], (64, 48), PACKED_ROWS + 1)
     if runs_here:
         x, w = torch.randn(4, 64, dtype=bf16), torch.randn(64, 64, dtype=bf16)
         torch.testing.assert_close(packed_linear(x, w), torch.nn.functional.linear(x, w), atol=0.05, rtol=0.02)

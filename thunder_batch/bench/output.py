@@ -130,6 +130,10 @@ def print_report(result: dict, file=None) -> None:
         f"peak matmul GFLOP/s {matmul}; copy bandwidth {peaks['copy_bytes_per_s'] / 1e9:.1f} GB/s "
         f"(measured in this run); reference tokens per precision: {refs}"
     )
+    kernels = result.get("meta", {}).get("linear_kernels")
+    if kernels:  # native bf16 kernels read half the bytes of fp32 ones at decode rows: the fast path
+        fast = " (bf16 weights are the fast path here)" if "torch" not in kernels["bfloat16"] else ""
+        console.print(f"CPU linears: float32 {kernels['float32']}; bfloat16 {kernels['bfloat16']}{fast}")
     base = result.get("litgpt_sequential_baseline")
     if base:
         console.print(

@@ -289,7 +289,10 @@ def machine_info(device) -> dict:
         None,
     )
     gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else None
+    from thunder_batch.compile.project_executor import linear_kernels
+
     return dict(
+        linear_kernels=None if gpu else linear_kernels(),
         versions=versions,
         python=sys.version.split()[0],
         platform=platform.platform(),

@@ -8,9 +8,11 @@ reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step
   at decode rows; larger float32 linears stay with torch. On AVX-512F torch's GEMM is as fast above 16
   rows; on an AVX2-only CPU the kernel is faster than torch's at any rows (1.3-3x at decode rows,
   1.15-1.3x at a prompt step's 136-520), so it takes them all.
-- bfloat16 on a CPU with AVX512-BF16, at most PACKED_ROWS rows: the project's `vdpbf16ps` kernel
-  (float32 accumulation, one rounding: equal to torch's result but for the last bit of a few outputs);
-  larger ones stay with torch.
+- bfloat16 on a CPU with AMX-BF16 (`in` a multiple of 32), any rows: the project's AMX kernel on the
+  same packed weight, 1.4-5x torch's oneDNN GEMM and the `vdpbf16ps` kernel at 8-520 rows, as fast at 1.
+- bfloat16 on a CPU with AVX512-BF16 otherwise, at most PACKED_ROWS rows: the project's `vdpbf16ps`
+  kernel (float32 accumulation, one rounding: equal to torch's result but for the last bit of a few
+  outputs); larger ones stay with torch.
 - bfloat16 where oneDNN runs bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT) but the CPU lacks AVX512-BF16,
   any rows: oneDNN's linear on its own blocked layout (`_reorder_linear_weight`), the same result as
   torch's bit for bit, 1.3-1.5x faster at the rows of a decode step.
@@ -112,16 +114,17 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bool:
     """Which linears the executor takes: CPU, one dtype throughout, a 2-D weight, and either at most
     `packed_rows()` rows for a native kernel (fp32; bf16 with AVX512-BF16, or widened on an AVX2-only
-    CPU), or bf16 at any rows on oneDNN's packed layout where the native bf16 kernel does not run."""
+    CPU), bf16 at any rows on AMX, or bf16 at any rows on oneDNN's packed layout where the native bf16
+    kernel does not run."""
+    from thunder_batch.native import build
+
     if device_type != "cpu" or len(set(dtypes)) != 1 or len(weight_shape) != 2:
         return False
     if dtypes[0] == torch.bfloat16:
         if native_bf16(weight_shape[1]):
-            return rows <= packed_rows()
+            return rows <= packed_rows() or build.amx_runs(weight_shape[1])
         return onednn_bf16()
-    from thunder_batch.native.build import unavailable
-
-    return dtypes[0] == torch.float32 and rows <= packed_rows() and unavailable() is None
+    return dtypes[0] == torch.float32 and rows <= packed_rows() and build.unavailable() is None
 
 
 def packed_rows() -> float:
@@ -131,6 +134,23 @@ def packed_rows() -> float:
     from thunder_batch.native.build import cpu_flags
 
     return PACKED_ROWS if "avx512f" in cpu_flags() else math.inf
+
+
+def linear_kernels() -> dict[str, str]:
+    """Which kernel runs a decode step's CPU linears here, per precision (what `bench` reports)."""
+    from thunder_batch.native import build
+
+    if build.unavailable() is not None:
+        return {"float32": "torch", "bfloat16": "oneDNN packed" if _onednn_runs_bf16() else "torch"}
+    wide = "AVX-512" if "avx512f" in build.cpu_flags() else "AVX2"
+    rows = f"up to {PACKED_ROWS} rows, torch's GEMM above" if packed_rows() < math.inf else "any rows"
+    if build.amx_runs(576):  # the default model's widths (576, 1536) are multiples of 32
+        bf16 = "AMX tiles, any rows"
+    elif not native_bf16(576):
+        bf16 = "oneDNN packed, any rows"
+    else:
+        bf16 = f"vdpbf16ps, {rows}" if "avx512_bf16" in build.cpu_flags() else "widened to float32 on AVX2, any rows"
+    return {"float32": f"packed {wide}, {rows}", "bfloat16": bf16}
 
 
 def _onednn_runs_bf16() -> bool:

@@ -23,7 +23,8 @@ import torch
 from thunder_batch import fallbacks
 
 SOURCES = [
-    Path(__file__).with_name(name) for name in ("packed_linear.cpp", "packed_linear_bf16.cpp", "decode_attention.cpp")
+    Path(__file__).with_name(name)
+    for name in ("packed_linear.cpp", "packed_linear_bf16.cpp", "packed_linear_amx.cpp", "decode_attention.cpp")
 ]
 HEADERS = [Path(__file__).with_name("packed_tiles.h")]  # included by the sources: part of the build's name
 # -fopenmp: torch's own libgomp has the same soname, so the kernels share its OpenMP thread pool.
@@ -115,6 +116,12 @@ def bf16_available() -> bool:
     """Whether the bfloat16 kernel runs here: wherever the kernels are built (AVX512-BF16's `vdpbf16ps`,
     else AVX2 + FMA on the weights widened to float32)."""
     return unavailable() is None
+
+
+def amx_runs(in_features: int) -> bool:
+    """Whether `packed_linear_bf16` runs on AMX here for this input width (AMX-BF16, the OS's leave, `in` a
+    multiple of 32): then it takes every row count."""
+    return unavailable() is None and torch.ops.thunder_batch.amx_runs(in_features)
 
 
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:

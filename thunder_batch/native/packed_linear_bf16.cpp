@@ -17,7 +17,6 @@
 namespace {
 
 using namespace packed;
-using bf16 = uint16_t;
 
 template <int R, int NB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void tile_bf16(const bf16* x, int64_t I, const bf16* packed,
@@ -159,7 +158,10 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, con
     y = at::empty({M, O}, x.options());
     const bf16* xp = reinterpret_cast<const bf16*>(x2.data_ptr<at::BFloat16>());
     bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { rows_bf16(xp, M, I, wp, bp, b0, b1, yp, O); });
+    const bool amx = amx_runs(I);  // AMX where present: the same packed weight, read as tiles
+    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      amx ? rows_amx(xp, M, I, wp, bp, b0, b1, yp, O) : rows_bf16(xp, M, I, wp, bp, b0, b1, yp, O);
+    });
   } else {  // AVX2: float32 sums and bias, rounded to bfloat16 once by torch's conversion (to nearest even)
     const at::Tensor xf = x2.to(at::kFloat);
     at::Tensor yf = at::empty({M, O}, xf.options());

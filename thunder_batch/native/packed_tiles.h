@@ -1,5 +1,5 @@
 // What the float32 and bfloat16 packed linears share: the block of 16 output features, the AVX2 tail
-// store, the L2 groups of blocks and the split of M rows into register-sized passes.
+// store, the L2 groups of blocks, the split of M rows into register-sized passes, and the AMX kernel.
 #pragma once
 
 #include <immintrin.h>
@@ -15,6 +15,13 @@
 namespace packed {
 
 constexpr int64_t kBlock = 16;  // output features per packed block (one zmm of float32, two ymm)
+using bf16 = uint16_t;
+
+// AMX (packed_linear_amx.cpp): whether its bfloat16 kernel runs a linear of this input width here (the
+// CPU's AMX-BF16, the OS's permission, `in` a multiple of 32), and the kernel on blocks [blk0, blk1).
+bool amx_runs(int64_t in_features);
+void rows_amx(const bf16* x, int64_t M, int64_t I, const bf16* packed, const float* bias, int64_t blk0, int64_t blk1,
+              bf16* y, int64_t O);
 
 AVX2 inline void store_avx2(float* y, __m256 v, int64_t n) {  // the first n (<= 8, maybe <= 0) floats of v
   if (n >= 8) return _mm256_storeu_ps(y, v);
