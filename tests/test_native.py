@@ -110,7 +110,7 @@ def test_bf16_linears_are_claimed_only_where_a_kernel_runs_them():
     assert build.amx_runs(64) == amx and not build.amx_runs(48)
     if native_bf16(64) and "avx512f" in build.cpu_flags():
         assert claims_linear("cpu", [bf16, bf16], (64, 64), 520) == amx
-        assert not claims_linear("cpu", [bf16, bf16], (64, 48), PACKED_ROWS + 1)
+        assert not claims_linear("cpu", [bf16, bf16], (64, 48), PACKED_ROWS[bf16] + 1)
     if runs_here:
         x, w = torch.randn(4, 64, dtype=bf16), torch.randn(64, 64, dtype=bf16)
         torch.testing.assert_close(packed_linear(x, w), torch.nn.functional.linear(x, w), atol=0.05, rtol=0.02)
@@ -165,3 +165,16 @@ def test_decode_attention_is_torchs_attention(dtype, tol, Q, D):
     assert got[2].eq(0).all()
     assert not claims_tensors(q, k, v, attn_mask=mask.expand(B, 1, Q, L), scale=0.125)  # a mask per row: torch's
     assert not claims_tensors(q, k, v, attn_mask=None)
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+def test_float32_linears_are_claimed_up_to_the_rows_where_the_kernel_is_the_faster():
+    """AVX-512: up to PACKED_ROWS[float32] rows (torch's GEMM above); AVX2 only: every row count."""
+    import math
+
+    from thunder_batch.compile.project_executor import PACKED_ROWS, claims_linear, packed_rows
+
+    f32 = torch.float32
+    limit = PACKED_ROWS[f32] if "avx512f" in build.cpu_flags() else math.inf
+    assert packed_rows(f32) == limit and claims_linear("cpu", [f32, f32], (64, 64), 64)
+    assert claims_linear("cpu", [f32, f32], (64, 64), 520) == (limit == math.inf)

@@ -4,13 +4,13 @@ Besides the linears below, a decode step's attention (`attention`) and the in-pl
 
 It claims `linear` on CPU and runs it from a copy of the weight packed once, in the layout the kernel
 reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step's linears"):
-- float32, at most `packed_rows()` rows: the project's kernel (thunder_batch.native), 2.5-4x torch's
-  at decode rows; larger float32 linears stay with torch. On AVX-512F torch's GEMM is as fast above 16
-  rows; on an AVX2-only CPU the kernel is faster than torch's at any rows (1.3-3x at decode rows,
-  1.15-1.3x at a prompt step's 136-520), so it takes them all.
+- float32, at most `packed_rows(float32)` rows: the project's kernel (thunder_batch.native), 1.1-4x
+  torch's at decode rows; larger float32 linears stay with torch. On AVX-512F it is 1.15-1.7x torch's GEMM
+  up to 64 rows (a 2-core Xeon); on an AVX2-only CPU the kernel is faster than torch's at any rows (1.3-3x
+  at decode rows, 1.15-1.3x at a prompt step's 136-520), so it takes them all.
 - bfloat16 on a CPU with AMX-BF16 (`in` a multiple of 32), any rows: the project's AMX kernel on the
   same packed weight, 1.4-5x torch's oneDNN GEMM and the `vdpbf16ps` kernel at 8-520 rows, as fast at 1.
-- bfloat16 on a CPU with AVX512-BF16 otherwise, at most PACKED_ROWS rows: the project's `vdpbf16ps`
+- bfloat16 on a CPU with AVX512-BF16 otherwise, at most PACKED_ROWS_BF16 rows: the project's `vdpbf16ps`
   kernel (float32 accumulation, one rounding: equal to torch's result but for the last bit of a few
   outputs); larger ones stay with torch.
 - bfloat16 where oneDNN runs bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT) but the CPU lacks AVX512-BF16,
@@ -39,7 +39,9 @@ from thunder_batch.compile import attention
 
 EXECUTOR = "thunder_batch"
 LINEAR = "thunder_batch_packed_linear"
-PACKED_ROWS = 16  # AVX-512: above this torch's GEMM is as fast (benchmarks/RESULTS.md)
+# AVX-512: the most rows a native kernel takes, per dtype; above them torch's GEMM is as fast or faster
+# (benchmarks/RESULTS.md: float32 on a Xeon, 2026-12-04; vdpbf16ps on Zen 5 and a Xeon).
+PACKED_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 
 
 def project_executor():
@@ -113,7 +115,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bool:
     """Which linears the executor takes: CPU, one dtype throughout, a 2-D weight, and either at most
-    `packed_rows()` rows for a native kernel (fp32; bf16 with AVX512-BF16, or widened on an AVX2-only
+    `packed_rows(dtype)` rows for a native kernel (fp32; bf16 with AVX512-BF16, or widened on an AVX2-only
     CPU), bf16 at any rows on AMX, or bf16 at any rows on oneDNN's packed layout where the native bf16
     kernel does not run."""
     from thunder_batch.native import build
@@ -122,18 +124,18 @@ def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bo
         return False
     if dtypes[0] == torch.bfloat16:
         if native_bf16(weight_shape[1]):
-            return rows <= packed_rows() or build.amx_runs(weight_shape[1])
+            return rows <= packed_rows(torch.bfloat16) or build.amx_runs(weight_shape[1])
         return onednn_bf16()
-    return dtypes[0] == torch.float32 and rows <= packed_rows() and build.unavailable() is None
+    return dtypes[0] == torch.float32 and rows <= packed_rows(torch.float32) and build.unavailable() is None
 
 
-def packed_rows() -> float:
+def packed_rows(dtype: torch.dtype) -> float:
     """The most rows a linear runs on the native kernel, per path (benchmarks/RESULTS.md): on AVX-512
-    torch's GEMM is as fast above PACKED_ROWS; on AVX2 torch's GEMM is slower at any rows (float32
+    torch's GEMM is as fast above PACKED_ROWS[dtype]; on AVX2 torch's GEMM is slower at any rows (float32
     1.15-3x, bfloat16 4-7x)."""
     from thunder_batch.native.build import cpu_flags
 
-    return PACKED_ROWS if "avx512f" in cpu_flags() else math.inf
+    return PACKED_ROWS[dtype] if "avx512f" in cpu_flags() else math.inf
 
 
 def linear_kernels() -> dict[str, str]:
@@ -143,14 +145,20 @@ def linear_kernels() -> dict[str, str]:
     if build.unavailable() is not None:
         return {"float32": "torch", "bfloat16": "oneDNN packed" if _onednn_runs_bf16() else "torch"}
     wide = "AVX-512" if "avx512f" in build.cpu_flags() else "AVX2"
-    rows = f"up to {PACKED_ROWS} rows, torch's GEMM above" if packed_rows() < math.inf else "any rows"
+
+    def rows(dtype: torch.dtype) -> str:
+        limit = packed_rows(dtype)
+        return f"up to {limit} rows, torch's GEMM above" if limit < math.inf else "any rows"
+
     if build.amx_runs(576):  # the default model's widths (576, 1536) are multiples of 32
         bf16 = "AMX tiles, any rows"
     elif not native_bf16(576):
         bf16 = "oneDNN packed, any rows"
+    elif "avx512_bf16" in build.cpu_flags():
+        bf16 = f"vdpbf16ps, {rows(torch.bfloat16)}"
     else:
-        bf16 = f"vdpbf16ps, {rows}" if "avx512_bf16" in build.cpu_flags() else "widened to float32 on AVX2, any rows"
-    return {"float32": f"packed {wide}, {rows}", "bfloat16": bf16}
+        bf16 = "widened to float32 on AVX2, any rows"
+    return {"float32": f"packed {wide}, {rows(torch.float32)}", "bfloat16": bf16}
 
 
 def _onednn_runs_bf16() -> bool:

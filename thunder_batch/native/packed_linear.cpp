@@ -18,6 +18,10 @@ namespace {
 
 using namespace packed;
 
+// Inputs ahead that each weight stream is prefetched (2 KiB): from 4 rows up the hardware prefetcher alone
+// left the loop waiting on memory (at 8 rows 22 GB/s against a 31 GB/s plain read; RESULTS.md).
+constexpr int64_t kAhead = 32;
+
 // acc[r][b]: outputs of block (blk0 + b) for row (m0 + r); R rows x NB blocks of accumulators.
 template <int R, int NB>
 AVX512 void tile(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t m0, float* y, int64_t O) {
@@ -27,7 +31,10 @@ AVX512 void tile(const float* x, int64_t I, const float* packed, int64_t blk0, i
   const float* base = packed + blk0 * I * kBlock;
   for (int64_t i = 0; i < I; ++i) {
     __m512 wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_ps(base + (b * I + i) * kBlock);
+    for (int b = 0; b < NB; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(base + (b * I + i + kAhead) * kBlock), _MM_HINT_T0);
+      wv[b] = _mm512_loadu_ps(base + (b * I + i) * kBlock);
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[(m0 + r) * I + i]);
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
@@ -40,22 +47,29 @@ AVX512 void tile(const float* x, int64_t I, const float* packed, int64_t blk0, i
     }
 }
 
-// Rows per tile and blocks per tile: measured best on a 2-core AVX-512 machine (benchmarks/RESULTS.md).
 template <int R, int NB>
 AVX512 void tiles(const float* x, int64_t I, const float* packed, int64_t blk0, int64_t blk1, int64_t m0, float* y,
-           int64_t O) {
+                  int64_t O) {
   int64_t blk = blk0;
   for (; blk + NB <= blk1; blk += NB) tile<R, NB>(x, I, packed, blk, m0, y, O);
   for (; blk < blk1; ++blk) tile<R, 1>(x, I, packed, blk, m0, y, O);
 }
 
+// Every row against each L2 group of blocks (256 KiB of weights, read from memory once), in passes of 16
+// rows x 1 block, 8 x 3, 4 x 4, 2 x 2, 1 x 4 (at most 24 of the 32 registers hold accumulators): measured
+// best on a 2-core AVX-512 Xeon at 1-64 rows (benchmarks/RESULTS.md).
 AVX512 void rows(const float* x, int64_t M, int64_t I, const float* packed, int64_t blk0, int64_t blk1, float* y,
-          int64_t O) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) tiles<8, 2>(x, I, packed, blk0, blk1, m, y, O);
-  for (; m + 4 <= M; m += 4) tiles<4, 4>(x, I, packed, blk0, blk1, m, y, O);
-  for (; m + 2 <= M; m += 2) tiles<2, 2>(x, I, packed, blk0, blk1, m, y, O);
-  for (; m < M; ++m) tiles<1, 4>(x, I, packed, blk0, blk1, m, y, O);
+                 int64_t O) {
+  const int64_t group = l2_group(I, sizeof(float), 256 << 10);
+  for (int64_t g0 = blk0; g0 < blk1; g0 += group) {
+    const int64_t g1 = std::min(blk1, g0 + group);
+    int64_t m = 0;
+    for (; m + 16 <= M; m += 16) tiles<16, 1>(x, I, packed, g0, g1, m, y, O);
+    for (; m + 8 <= M; m += 8) tiles<8, 3>(x, I, packed, g0, g1, m, y, O);
+    for (; m + 4 <= M; m += 4) tiles<4, 4>(x, I, packed, g0, g1, m, y, O);
+    for (; m + 2 <= M; m += 2) tiles<2, 2>(x, I, packed, g0, g1, m, y, O);
+    for (; m < M; ++m) tiles<1, 4>(x, I, packed, g0, g1, m, y, O);
+  }
 }
 
 // AVX2 + FMA: acc[r][2b + h] holds outputs 8h..8h+7 of block (blk0 + b) for row (m0 + r); 16 ymm

@@ -29,8 +29,8 @@ AVX2 inline void store_avx2(float* y, __m256 v, int64_t n) {  // the first n (<=
   _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::max<int64_t>(n, 0))), lane), v);
 }
 
-inline int64_t l2_group(int64_t I, int64_t bytes) {  // blocks per group: 128 KiB of weights
-  return std::max<int64_t>(1, (128 << 10) / (I * kBlock * bytes));
+inline int64_t l2_group(int64_t I, int64_t bytes, int64_t group_bytes = 128 << 10) {  // blocks per group
+  return std::max<int64_t>(1, group_bytes / (I * kBlock * bytes));
 }
 
 // M rows in passes of at most `most` rows, as even as they go (8 rows: 4 + 4, not 6 + 2): pass(m0, rows).
