@@ -27,9 +27,11 @@ from thunder_batch.serve.state import HEARTBEAT_S, MESSAGES_UID
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 1.0  # an idle worker looks at its queue this often; a new request wakes it at once
 # A blocking get on LitServe's queue runs in its manager process: a get still pending there when this
-# worker stops (SIGSTOP, a deadlock) hands the next request to a process that never claims it. Short
-# gets keep that window short (a request arriving within TAKE_WAIT_S of the freeze waits for its timeout).
+# worker stops or dies (SIGSTOP, SIGKILL, a deadlock) hands the next request to a process that never
+# claims it, and that request waits for its timeout. So a worker never leaves a get pending: it looks
+# with non-blocking gets every POLL_S (the window is one get's round trip) for up to TAKE_WAIT_S.
 TAKE_WAIT_S = 0.1
+POLL_S = 0.005
 # An idle engine takes a burst of requests together: it waits this long for each next one, so 8 chats
 # sent at once are read in one wide first step, not in several narrow ones while the rest queue.
 GATHER_S = 0.01
@@ -96,15 +98,22 @@ class EngineLoop(ContinuousBatchingLoop):
     def _take_requests(self, request_queue, room: int, gather_s: float) -> list:
         """Block up to TAKE_WAIT_S for one request, then take others while there is room: those already
         queued, and those arriving within gather_s of the last one."""
-        items, item = [], self.get_request(request_queue, timeout=TAKE_WAIT_S)
+        items, item = [], self._poll(request_queue, TAKE_WAIT_S)
         while item is not None:
             if len(item) == 4 and item[1] is not None:  # not LitServe's shutdown sentinel
                 items.append(item)
                 room -= _choices(item[3])
             if room <= 0:
                 break
-            item = self.get_request(request_queue, block=gather_s > 0, timeout=gather_s or None)
+            item = self._poll(request_queue, gather_s)
         return items
+
+    def _poll(self, request_queue, wait_s: float):
+        """The next request if one arrives within wait_s (0: only one already queued), else None."""
+        deadline = time.monotonic() + wait_s
+        while (item := self.get_request(request_queue, block=False)) is None and time.monotonic() < deadline:
+            time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+        return item
 
     # -- steps ------------------------------------------------------------------------------------
     async def run(
