@@ -96,7 +96,7 @@ class EngineLoop(ContinuousBatchingLoop):
         wake.set()
 
     def _take_requests(self, request_queue, room: int, gather_s: float) -> list:
-        """Block up to TAKE_WAIT_S for one request, then take others while there is room: those already
+        """Wait up to TAKE_WAIT_S for one request, then take others while there is room: those already
         queued, and those arriving within gather_s of the last one."""
         items, item = [], self._poll(request_queue, TAKE_WAIT_S)
         while item is not None:
