@@ -5,12 +5,13 @@ Besides the linears below, a decode step's attention (`attention`) and the in-pl
 It claims `linear` on CPU and runs it from a copy of the weight packed once, in the layout the kernel
 reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step's linears"):
 - float32, at most `packed_rows(float32)` rows: the project's kernel (thunder_batch.native), 1.1-4x
-  torch's at decode rows; larger float32 linears stay with torch. On AVX-512F it is 1.15-1.7x torch's GEMM
-  up to 64 rows (a 2-core Xeon); on an AVX2-only CPU the kernel is faster than torch's at any rows (1.3-3x
+  torch's at decode rows; larger float32 linears stay with torch. On AVX-512F it is 1.08-1.7x torch's GEMM
+  at 16-64 rows (a 2-core Xeon); on an AVX2-only CPU the kernel is faster than torch's at any rows (1.3-3x
   at decode rows, 1.15-1.3x at a prompt step's 136-520), so it takes them all.
 - bfloat16 on a CPU with AMX-BF16 (`in` a multiple of 32), any rows: the project's AMX kernel on the
-  same packed weight, 1.4-5x torch's oneDNN GEMM and the `vdpbf16ps` kernel at 8-520 rows, as fast at 1.
-- bfloat16 on a CPU with AVX512-BF16 otherwise, at most PACKED_ROWS_BF16 rows: the project's `vdpbf16ps`
+  same packed weight: 2-3.3x the `vdpbf16ps` kernel at 8-16 rows (as fast at 1), 1.08-1.9x torch's GEMM
+  at 32-520 rows.
+- bfloat16 on a CPU with AVX512-BF16 otherwise, at most PACKED_ROWS[bfloat16] rows: the project's `vdpbf16ps`
   kernel (float32 accumulation, one rounding: equal to torch's result but for the last bit of a few
   outputs); larger ones stay with torch.
 - bfloat16 where oneDNN runs bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT) but the CPU lacks AVX512-BF16,

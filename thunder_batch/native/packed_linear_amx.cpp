@@ -6,16 +6,15 @@
 // result does not depend on how many rows run with it (its tile row is computed alone), so a slot's
 // tokens are the same in a decode step, a prompt lane or a verify lane.
 //
-// Used for every row count where the CPU has AMX-BF16 and `in` is a multiple of 32: at 8-520 rows it
-// is 1.4-5x the `vdpbf16ps` kernel and torch's oneDNN GEMM (benchmarks/RESULTS.md), and as fast at 1.
+// Used for every row count where the CPU has AMX-BF16 and `in` is a multiple of 32: on a 2-core Xeon it
+// is 2-3.3x the `vdpbf16ps` kernel at 8-16 rows (as fast at 1) and 1.08-1.9x torch's GEMM at 32-520
+// (benchmarks/RESULTS.md).
 
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <torch/library.h>
-
-#include <cstring>
 
 #include "packed_tiles.h"
 
@@ -116,7 +115,7 @@ bool amx_runs(int64_t in_features) {
 // a time (two row tiles) against pairs of blocks; x [M, I], y [M, O], bias float32 padded or null.
 AMX void rows_amx(const bf16* x, int64_t M, int64_t I, const bf16* packed, const float* bias, int64_t blk0,
                   int64_t blk1, bf16* y, int64_t O) {
-  const int64_t group = std::max<int64_t>(2, (256 << 10) / (I * kBlock * int64_t(sizeof(bf16))));
+  const int64_t group = std::max<int64_t>(2, l2_group(I, sizeof(bf16), 256 << 10));
   for (int64_t g0 = blk0; g0 < blk1; g0 += group) {
     const int64_t g1 = std::min(blk1, g0 + group);
     for (int64_t m = 0; m < M; m += 2 * kTileRows) {
