@@ -330,17 +330,24 @@ DAMAGE = {
         "unloadable",
     ),
     "wrong outputs": (edit_source("return (", "return (lambda *outs: tuple(o + 1 for o in outs))("), "outputs differ"),
-    # the V cache write goes to a copy that attention reads, and is never copied back
-    "not in place": (
-        lambda body: edit_source("= copy_(", "= (lambda a, b, grad_enabled: a)(")(
-            edit_source(
-                "= thunder_batch_index_copy_into(",
-                "= (lambda a, dim, index, src: a.clone().index_copy_(dim, index, src))(",
-            )(body)
-        ),
-        "KV cache writes",
-    ),
+    "not in place": (lambda body: writes_to_copies(body), "KV cache writes"),
 }
+
+
+def writes_to_copies(body: dict) -> dict:
+    """The block's KV cache writes go to copies that attention reads, never copied back: in the one-op
+    decode attention (a decode-only step's), else in the last index_copy and its copy_ back."""
+    if "= thunder_batch_decode_rows_attention(" in body["record"]["source"]:
+        op = "thunder_batch_decode_rows_attention"
+        return edit_source(
+            f"= {op}(", f"= (lambda q, k, v, ck, cv, *rest: {op}(q, k, v, ck.clone(), cv.clone(), *rest))("
+        )(body)
+    return edit_source("= copy_(", "= (lambda a, b, grad_enabled: a)(")(
+        edit_source(
+            "= thunder_batch_index_copy_into(",
+            "= (lambda a, dim, index, src: a.clone().index_copy_(dim, index, src))(",
+        )(body)
+    )
 
 
 def fresh_engine_with_entry(traced, tmp_path, text: str):

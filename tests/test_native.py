@@ -168,6 +168,39 @@ def test_decode_attention_is_torchs_attention(dtype, tol, Q, D):
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,G,D", [(9, 3, 64), (4, 4, 32), (16, 1, 16)])
+def test_decode_rows_attention_writes_and_attends_as_the_models_ops(dtype, H, G, D):
+    """The one-op decode attention (compile.attention, native) against the model's own ops: the same KV
+    writes bit for bit (k and v as strided views of one qkv row, as the step feeds them) and the same
+    attention as the native kernel over the written caches, for each slot at its own position."""
+    from thunder_batch.compile.attention import decode_rows_attention as one_op
+    from thunder_batch.compile.project_executor import ProjectKernelsMode
+    from thunder_batch.index_ops import flat_rows
+    from thunder_batch.model import decode_rows_attention as model_ops
+
+    B, S, L = 4, 24, 16
+    g = torch.Generator().manual_seed(1)
+    caches = torch.randn(2, B, G, S, D, generator=g).to(dtype)
+    qkv = torch.randn(B, (H + 2 * G) * D, generator=g).to(dtype)
+    q, k, v = qkv.split((H * D, G * D, G * D), dim=-1)
+    q, k, v = q.reshape(B, H, D), k.view(B, G, D), v.view(B, G, D)  # k, v: rows (H + 2G) * D apart
+    pos = torch.tensor([0, 5, 15, 9])
+    rows = flat_rows(caches[0].shape, 2, torch.arange(B), pos)
+    mask = torch.where(torch.arange(L) <= pos.view(B, 1, 1, 1), 0.0, torch.finfo(dtype).min).to(dtype)
+    mine, theirs = caches.clone(), caches.clone()
+    got = one_op(q, k, v, mine[0], mine[1], rows, mask, 0.125)
+    with ProjectKernelsMode():  # the model's ops with the executor's attention kernel, as the load check runs them
+        want = model_ops(q, k, v, theirs[0], theirs[1], rows, mask, 0.125)
+    assert torch.equal(mine, theirs)
+    assert mine[0, 2, :, 15].equal(k[2]) and mine[1, 1, :, 5].equal(v[1])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    exact = model_ops(q.double(), k.double(), v.double(), *caches.double().clone(), rows, mask.double(), 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
 def test_float32_linears_are_claimed_up_to_the_rows_where_the_kernel_is_the_faster():
     """AVX-512: up to PACKED_ROWS[float32] rows (torch's GEMM above); AVX2 only: every row count."""
     import math

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from litgpt.model import apply_rope, apply_rope_interleave, do_softcapping, yarn_get_mscale
 
-from thunder_batch.index_ops import flat_rows, index_select_2d
+from thunder_batch.index_ops import flat_rows, index_copy_flat, index_select_2d
 
 
 def check_supported(config) -> None:
@@ -140,8 +140,25 @@ def attention_forward(attn, cache, x, shared: StepShared, kind: int, lane_len: i
     if cfg.norm_qk and cfg.norm_qk_type == "default":
         q, k = attn.norm_q(q), attn.norm_k(k)
     q, k = _rope(q, shared.cos, shared.sin, cfg), _rope(k, shared.cos, shared.sin, cfg)
+    if N == cache.k.shape[0] and x.device.type == "cpu" and cfg.attention_logit_softcapping is None:
+        mask = shared.decode_mask[kind]  # a decode-only step: one call (the project's executor: one op)
+        return attn.proj(decode_rows_attention(q, k, v, cache.k, cache.v, shared.kv_rows, mask, attention_scale(cfg)))
     cache_k, cache_v = cache(shared.kv_rows, k, v)  # [B, G, S + 1 + C, D]
     return attn.proj(slot_attention(q, cache_k, cache_v, shared, kind, lane_len, cfg))
+
+
+def decode_rows_attention(q, k, v, cache_k, cache_v, rows, mask, scale: float) -> torch.Tensor:
+    """A decode-only step's attention, KV writes included: row b writes its k, v into its slot's cache at
+    the flat `rows`, then attends over the slot's first L entries. q: [B, H, D]; k, v: [B, G, D]; cache_k,
+    cache_v: [B, G, S', D]; rows: [B * G]; mask: [B, 1, 1, L] -> [B, H * D]. On CPU the project's executor
+    runs it as one native op (compile.attention): ~25 fewer host calls per layer than these ops traced."""
+    index_copy_flat(cache_k, 2, rows, k)
+    index_copy_flat(cache_v, 2, rows, v)
+    B, H, D = q.shape
+    G, L = cache_k.shape[1], mask.shape[-1]
+    grouped = q.reshape(B, G, H // G, D)  # the H/G query heads of a group as its rows, as grouped_attention
+    y = F.scaled_dot_product_attention(grouped, cache_k[:, :, :L], cache_v[:, :, :L], attn_mask=mask, scale=scale)
+    return y.reshape(B, H * D)  # [B, G, H/G, D] is [B, H, D]
 
 
 def slot_attention(q, cache_k, cache_v, shared: StepShared, kind: int, lane_len: int, config) -> torch.Tensor:

@@ -3,14 +3,26 @@ few query rows per K/V group (q [B, G, Q <= 16, D], an additive mask [B, 1, 1, L
 kernel (thunder_batch.native: every slot's keys and values read once for all of its group's query
 rows; torch's CPU flash kernel costs 1.3-2x that at these shapes, benchmarks/RESULTS.md). Prefill
 lanes (many query rows, a mask per row) stay with torch's.
+
+A decode-only step's whole attention, KV writes included (`model.decode_rows_attention`), is one operator
+of the executor: the native `decode_rows_attention` where this kernel runs, the model's own ops elsewhere.
+Traced op by op it was ~25 host calls per layer (writes, views, attention), each paying caches the
+linears' weight stream left cold. Its cache writes are hidden from Thunder's functional trace:
+`WRITES_IN_PLACE` names them for the passes that look for in-place writes.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from thunder_batch.native import build
+
 ATTENTION = "thunder_batch_decode_attention"
+ROWS_ATTENTION = "thunder_batch_decode_rows_attention"
+WRITES_IN_PLACE = {ROWS_ATTENTION: (3, 4)}  # operator -> the arguments it writes in place (the caches)
 MAX_QUERIES = 16  # query rows per (slot, group): the kernel keeps them in registers and on its stack
 MAX_HEAD_SIZE = 256
 
@@ -22,6 +34,12 @@ def register(executor) -> None:
     if ATTENTION not in executor.opmap:
         op = executor.register_operator(ATTENTION, meta=_meta, fn=decode_attention)
         executor.register_implementation(ltorch.scaled_dot_product_attention, op, checker=_claims)
+    if ROWS_ATTENTION not in executor.opmap:
+        from thunder_batch import model
+
+        executor.register_operator(
+            ROWS_ATTENTION, meta=_rows_meta, fn=decode_rows_attention, replaces=model.decode_rows_attention
+        )
 
 
 def claims_attention(device_type: str, dtypes: list, q_shape, k_shape, mask_shape, dropout_p, is_causal) -> bool:
@@ -49,10 +67,30 @@ def decode_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
     (a trace has none): rows of k, v and the mask must be contiguous, else torch's kernel runs."""
     if k.stride(-1) != 1 or v.stride() != k.stride() or attn_mask.stride(-1) != 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
-    from thunder_batch.native import build
-
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return build.decode_attention(q.contiguous(), k, v, attn_mask, scale)
+
+
+def decode_rows_attention(q, k, v, cache_k, cache_v, rows, mask, scale: float) -> torch.Tensor:
+    """`model.decode_rows_attention` (q [B, H, D], caches [B, G, S', D]) as one native op where the kernel
+    takes it, else as the model writes it."""
+    B, H, D = q.shape
+    G = cache_k.shape[1]
+    key = (q.device.type, q.dtype, cache_k.dtype, mask.dtype, H, G, D, k.stride(-1), v.stride(-1), mask.stride(-1))
+    if _native_rows(*key) and cache_k.is_contiguous() and cache_v.is_contiguous():
+        return build.decode_rows_attention(q.contiguous(), k, v, cache_k, cache_v, rows, mask, scale)
+    from thunder_batch import model
+
+    return model.decode_rows_attention(q, k, v, cache_k, cache_v, rows, mask, scale)
+
+
+@functools.cache
+def _native_rows(device_type, q_dtype, cache_dtype, mask_dtype, H, G, D, k_step, v_step, mask_step) -> bool:
+    """Whether the native op takes a call of this kind (rows of k, v and the mask contiguous, as `claims_attention`)."""
+    if H % G or k_step != 1 or v_step != 1 or mask_step != 1:
+        return False
+    q_shape, k_shape = (1, G, H // G, D), (1, G, 1, D)
+    return claims_attention(device_type, [q_dtype, cache_dtype, mask_dtype], q_shape, k_shape, (1, 1, 1, 1), 0.0, False)
 
 
 def _claims(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> bool:
@@ -70,6 +108,12 @@ def _claims_call(q, k, v, attn_mask, dropout_p, is_causal, dtype_of) -> bool:
     mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
     dtypes = [dtype_of(t) for t in tensors]
     return claims_attention(q.device.type, dtypes, tuple(q.shape), tuple(k.shape), mask_shape, dropout_p, is_causal)
+
+
+def _rows_meta(q, k, v, cache_k, cache_v, rows, mask, scale):
+    from thunder.core.proxies import TensorProxy
+
+    return TensorProxy(like=q, shape=(q.shape[0], q.shape[1] * q.shape[2]))
 
 
 def _meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):

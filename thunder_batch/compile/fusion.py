@@ -16,6 +16,7 @@ views alone (reshapes, splits, transposes) is left to torch: it computes nothing
 from __future__ import annotations
 
 from thunder_batch._compat import import_thunder
+from thunder_batch.compile.attention import WRITES_IN_PLACE
 from thunder_batch.compile.fused_region import FusedRegion, make_region
 
 EXECUTOR = "inductor"
@@ -114,7 +115,8 @@ VIEW_OPS = {
 
 
 def written_aliases(bound_symbols) -> set[str]:
-    """Names of the proxies that alias a tensor some `copy_` writes in place (through views either way)."""
+    """Names of the proxies that alias a tensor some `copy_` (or a `WRITES_IN_PLACE` operator) writes in
+    place (through views either way)."""
     root: dict[str, str] = {}
 
     def find(name: str) -> str:
@@ -133,6 +135,8 @@ def written_aliases(bound_symbols) -> set[str]:
     targets = {
         find(b.flat_proxy_args[1].name) for b in bound_symbols if b.sym.name == "copy_" and len(b.flat_proxy_args) > 1
     }
+    for b in (b for b in bound_symbols if b.sym.name in WRITES_IN_PLACE):  # operators writing their arguments
+        targets.update(find(b.args[i].name) for i in WRITES_IN_PLACE[b.sym.name])
     names = {p.name for b in bound_symbols for p in (*b.flat_proxy_args, *b.flat_proxy_outs)}
     return {n for n in names if find(n) in targets}
 

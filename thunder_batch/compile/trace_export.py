@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from thunder_batch._compat import import_thunder
+from thunder_batch.compile.attention import WRITES_IN_PLACE
 from thunder_batch.compile.cache import tensor_meta
 
 # Context objects of these types are compiled regions, not importable code: never stored.
@@ -95,8 +96,9 @@ def input_bindings(inputs, args: Sequence[torch.Tensor], module: nn.Module) -> l
 
 
 def _written_inputs(trace) -> set[str]:
-    """Names of computation inputs the program writes in place: targets of Thunder's copy_,
-    followed back through update_aliases and views to the input they alias."""
+    """Names of computation inputs the program writes in place: targets of Thunder's copy_ and of the
+    project's operators that write arguments (`WRITES_IN_PLACE`), followed back through update_aliases
+    and views to the input they alias."""
     root: dict[str, str] = {}
     written = set()
     for bsym in trace.bound_symbols:
@@ -109,6 +111,8 @@ def _written_inputs(trace) -> set[str]:
             target = root.get(bsym.args[1].name, bsym.args[1].name)
             written.add(target)
             root[bsym.output.name] = target  # copy_ returns its target
+        elif bsym.sym.name in WRITES_IN_PLACE:  # an operator writing some arguments, unseen by Thunder
+            written.update(root.get(bsym.args[i].name, bsym.args[i].name) for i in WRITES_IN_PLACE[bsym.sym.name])
     return written & {a.name for a in trace.args}
 
 

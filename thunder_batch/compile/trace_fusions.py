@@ -1,9 +1,12 @@
 """What compiled traces fuse: the fusion regions, the executor of each, the ops inside, and whether the
-KV-cache write (the `scatter_` / `index_copy_` of compile.index_ops' lowering) runs inside one."""
+KV-cache write (the `scatter_` / `index_copy_` of compile.index_ops' lowering, or an operator writing the
+caches itself, compile.attention's `WRITES_IN_PLACE`) runs inside one."""
 
 from __future__ import annotations
 
 from collections import Counter
+
+from thunder_batch.compile.attention import WRITES_IN_PLACE
 
 KV_WRITE_OPS = ("scatter", "index_copy", "index_put")
 
@@ -21,7 +24,7 @@ def _executor_name(bsym) -> str:
 
 
 def _is_kv_write(name: str) -> bool:
-    return any(op in name.lower() for op in KV_WRITE_OPS)
+    return name in WRITES_IN_PLACE or any(op in name.lower() for op in KV_WRITE_OPS)
 
 
 def fusion_summary(traces: list) -> dict:

@@ -148,3 +148,10 @@ def packed_linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
     """softmax(q k^T * scale + mask) v: q [B, G, Q <= 16, D], k, v [B, G, L, D], mask [B, 1, 1, L] -> [B, G, Q, D]."""
     return torch.ops.thunder_batch.decode_attention(q, k, v, mask, scale)
+
+
+def decode_rows_attention(q, k, v, cache_k, cache_v, rows, mask, scale: float) -> torch.Tensor:
+    """A decode-only step's attention with its KV writes, one call: k, v [B, G, D] into the contiguous
+    caches [B, G, S', D] at flat `rows` [B * G], then `decode_attention` of q [B, H, D] over the first L
+    entries (mask [B, 1, 1, L]) -> [B, H * D]."""
+    return torch.ops.thunder_batch.decode_rows_attention.default(q, k, v, cache_k, cache_v, rows, mask, scale)

@@ -7,7 +7,8 @@
 // read of the slot's live cache entries is the whole cost (torch's kernel reads all L entries).
 // Pairs are split across threads (torch's OpenMP pool). AVX2 + FMA; with D % 8 == 0 keys are scored four
 // at a time and values summed 8 columns x up to 4 rows in registers (1.4-1.8x the one-dot-at-a-time loop,
-// benchmarks/RESULTS.md), other head sizes one key at a time.
+// benchmarks/RESULTS.md), other head sizes one key at a time. `decode_rows_attention` is a decode-only
+// step's whole attention in one call: the step's K and V rows written into the caches, then this kernel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -176,21 +177,36 @@ AVX2 void attend(const T* q, const T* k, const T* v, const T* mask, int64_t Q, i
     for (int64_t d = 0; d < D; ++d) out[r * D + d] = T(acc[r][d]);
 }
 
+// Where a call's tensors are: q, out [B, G, Q, D] contiguous; k, v alike with strides (slot, group, entry);
+// the mask's rows `mask_stride` apart; the first L entries read.
+struct Shape {
+  int64_t B, G, Q, D, L, kv_slot, kv_group, kv_entry, mask_stride;
+};
+
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
-         at::Tensor& out) {
-  const int64_t B = q.size(0), G = q.size(1), Q = q.size(2), D = q.size(3), L = k.size(2);
-  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>(), *mp = mask.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * G, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> scores(Q * L);
-    std::vector<int64_t> live(L);
+void run(const T* qp, const T* kp, const T* vp, const T* mp, const Shape& s, double scale, T* op) {
+  at::parallel_for(0, s.B * s.G, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> scores(s.Q * s.L);
+    std::vector<int64_t> live(s.L);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / G, g = p % G;
-      attend<T>(qp + p * Q * D, kp + b * k.stride(0) + g * k.stride(1), vp + b * v.stride(0) + g * v.stride(1),
-                mp + b * mask.stride(0), Q, L, D, k.stride(2), float(scale), scores.data(), live.data(), op + p * Q * D);
+      const int64_t b = p / s.G, g = p % s.G, at = b * s.kv_slot + g * s.kv_group;
+      attend<T>(qp + p * s.Q * s.D, kp + at, vp + at, mp + b * s.mask_stride, s.Q, s.L, s.D, s.kv_entry, float(scale),
+                scores.data(), live.data(), op + p * s.Q * s.D);
     }
   });
+}
+
+// The kernel for q's dtype (float32 or bfloat16; the callers checked that every tensor has it).
+void run_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, const Shape& s,
+               double scale, at::Tensor& out) {
+  if (q.scalar_type() == at::kFloat)
+    run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<float>(), s, scale,
+               out.data_ptr<float>());
+  else if (q.scalar_type() == at::kBFloat16)
+    run<at::BFloat16>(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(),
+                      mask.data_ptr<at::BFloat16>(), s, scale, out.data_ptr<at::BFloat16>());
+  else
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16");
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
@@ -205,12 +221,52 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: mask [B, 1, 1, L]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == mask.scalar_type(), "decode_attention: one dtype");
   at::Tensor out = at::empty_like(q);
-  if (q.scalar_type() == at::kFloat)
-    run<float>(q, k, v, mask, scale, out);
-  else if (q.scalar_type() == at::kBFloat16)
-    run<at::BFloat16>(q, k, v, mask, scale, out);
-  else
-    TORCH_CHECK(false, "decode_attention: float32 or bfloat16");
+  run_typed(q, k, v, mask, {B, G, Q, D, L, k.stride(0), k.stride(1), k.stride(2), mask.stride(0)}, scale, out);
+  return out;
+}
+
+// cache viewed as [B * G * S', D] takes row n of `val` [N, G, D] (any strides, rows of D contiguous) at `rows[n]`.
+void write_rows(at::Tensor& cache, const at::Tensor& rows, const at::Tensor& val) {
+  const int64_t N = val.size(0), G = val.size(1), D = val.size(2), entries = cache.numel() / D;
+  const auto bytes = D * cache.element_size();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* src = static_cast<const char*>(val.data_ptr());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t row = rp[n * G + g];
+      TORCH_CHECK(row >= 0 && row < entries, "decode_rows_attention: cache row ", row, " out of range");
+      std::memcpy(dst + row * bytes, src + (n * val.stride(0) + g * val.stride(1)) * cache.element_size(), bytes);
+    }
+}
+
+// A decode-only step's attention in one call: each row's k, v written into its slot's cache entries `rows`
+// (flat_rows of [B, G, S', D]), then decode_attention over every slot's first L entries. q: [B, H, D];
+// k, v: [B, G, D]; cache_k, cache_v: [B, G, S', D] contiguous; rows: [B * G]; mask [B, 1, 1, L] -> [B, H * D].
+at::Tensor decode_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
+                                 at::Tensor cache_v, const at::Tensor& rows, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && cache_k.dim() == 4, "decode_rows_attention: q, k, v 3-D, caches 4-D");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = cache_k.size(1), L = mask.size(-1);
+  TORCH_CHECK(cache_k.sizes() == cache_v.sizes() && cache_k.is_contiguous() && cache_v.is_contiguous() &&
+                  cache_k.size(0) == B && cache_k.size(3) == D && L <= cache_k.size(2),
+              "decode_rows_attention: contiguous caches [B, G, S', D] alike, L <= S'");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == G && k.size(2) == D && k.stride(2) == 1 &&
+                  v.stride(2) == 1 && H % G == 0,
+              "decode_rows_attention: k, v [B, G, D] with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == B * G,
+              "decode_rows_attention: rows int64 [B * G]");
+  TORCH_CHECK(q.is_contiguous() && mask.size(0) == B && mask.numel() == B * L && mask.stride(3) == 1 && D <= kMaxD &&
+                  H / G <= kMaxQ,
+              "decode_rows_attention: contiguous q, mask [B, 1, 1, L], H / G <= 16, D <= 256");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  cache_k.scalar_type() == q.scalar_type() && cache_v.scalar_type() == q.scalar_type() &&
+                  mask.scalar_type() == q.scalar_type(),
+              "decode_rows_attention: one dtype");
+  write_rows(cache_k, rows, k);
+  write_rows(cache_v, rows, v);
+  at::Tensor out = at::empty({B, H * D}, q.options());  // [B, G, H/G, D] as the kernel writes it
+  const int64_t S = cache_k.size(2);
+  run_typed(q, cache_k, cache_v, mask, {B, G, H / G, D, L, G * S * D, S * D, D, mask.stride(0)}, scale, out);
   return out;
 }
 
@@ -218,6 +274,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  m.def(
+      "decode_rows_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor rows, "
+      "Tensor mask, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(thunder_batch, CPU, m) { m.impl("decode_attention", decode_attention); }
+TORCH_LIBRARY_IMPL(thunder_batch, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+  m.impl("decode_rows_attention", decode_rows_attention);
+}
