@@ -378,6 +378,29 @@ def test_damaged_entry_is_a_miss_with_one_warning(traced, tmp_path, kind):
     assert stats["programs"] == {"prefix": 1, "block": 1, "head-filtered": 1}
 
 
+def test_a_lane_step_block_writing_to_copies_is_a_miss_with_one_warning(tmp_path):
+    """A prompt-lane step's block writes its KV entries with index copies (the one-op decode attention is
+    for decode-only steps): written to copies that are never copied back, its stored entry fails the
+    load-time check."""
+    engine = make_engine(tmp_path / "cold", prefill_chunk=4)
+    tokens = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
+    blocks = [p for p in (tmp_path / "cold").glob("*.json") if json.loads(p.read_text())["key"]["piece"] == "block"]
+    lane_block = next(p for p in blocks if "= thunder_batch_index_copy_into(" in p.read_text())
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    for path in (tmp_path / "cold").glob("*.json"):
+        body = json.loads(path.read_text())
+        text = canonical_json(writes_to_copies(body)) if path == lane_block else path.read_text()
+        (root / path.name).write_text(text)
+        (root / path.name).chmod(0o600)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = [r.token_ids for r in make_engine(root, prefill_chunk=4).generate(PROMPTS, PARAMS)]
+    messages = cache_warnings(caught)
+    assert len(messages) == 1 and "KV cache writes" in messages[0], messages
+    assert again == tokens  # the block retraced: the same tokens
+
+
 def test_missing_entry_is_a_plain_miss(tmp_path):
     """No entry yet is the normal cold start: traced and stored, no warning."""
     engine = make_engine(tmp_path)
