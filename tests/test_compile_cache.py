@@ -113,7 +113,7 @@ def test_cold_start_stores_every_piece(traced):
 
 def test_bad_entry_is_retraced_and_overwritten(traced, tmp_path):
     """A garbage entry: one warning, that piece alone is traced again and its entry rewritten."""
-    root = copy_root(traced, tmp_path)
+    root = copy_root(traced["root"], tmp_path)
     head = root / entries(traced["root"])["head-filtered"].name
     head.write_bytes(b"\x00garbage")
     engine = make_engine(root)
@@ -127,10 +127,11 @@ def test_bad_entry_is_retraced_and_overwritten(traced, tmp_path):
     assert read_entry(head, key_of_entry(head))[1] is None  # rewritten whole
 
 
-def copy_root(traced, tmp_path) -> Path:
+def copy_root(source: Path, tmp_path) -> Path:
+    """A private copy of the compile cache entries at `source`, under tmp_path / "cache"."""
     root = tmp_path / "cache"
     root.mkdir(mode=0o700)
-    for path in traced["root"].glob("*.json"):
+    for path in source.glob("*.json"):
         shutil.copy(path, root)
         (root / path.name).chmod(0o600)
     return root
@@ -263,7 +264,7 @@ def test_a_stored_piece_is_checked_on_real_rows_before_it_runs(traced, tmp_path,
         return [m & (key_pos < input_pos.unsqueeze(-1)) for m in visible(input_pos, key_pos, config)]
 
     monkeypatch.setattr(model, "visibility_masks", stale)
-    engine = make_engine(copy_root(traced, tmp_path))
+    engine = make_engine(copy_root(traced["root"], tmp_path))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine.runner.warm(engine.config.step_shapes[0], ("greedy",))
@@ -352,7 +353,7 @@ def writes_to_copies(body: dict) -> dict:
 
 def fresh_engine_with_entry(traced, tmp_path, text: str):
     """An engine on a copy of the sound cache whose block entry holds `text`."""
-    root = copy_root(traced, tmp_path)
+    root = copy_root(traced["root"], tmp_path)
     (root / traced["path"].name).write_text(text)
     return make_engine(root)
 
@@ -386,13 +387,8 @@ def test_a_lane_step_block_writing_to_copies_is_a_miss_with_one_warning(tmp_path
     tokens = [r.token_ids for r in engine.generate(PROMPTS, PARAMS)]
     blocks = [p for p in (tmp_path / "cold").glob("*.json") if json.loads(p.read_text())["key"]["piece"] == "block"]
     lane_block = next(p for p in blocks if "= thunder_batch_index_copy_into(" in p.read_text())
-    root = tmp_path / "cache"
-    root.mkdir(mode=0o700)
-    for path in (tmp_path / "cold").glob("*.json"):
-        body = json.loads(path.read_text())
-        text = canonical_json(writes_to_copies(body)) if path == lane_block else path.read_text()
-        (root / path.name).write_text(text)
-        (root / path.name).chmod(0o600)
+    root = copy_root(tmp_path / "cold", tmp_path)
+    (root / lane_block.name).write_text(canonical_json(writes_to_copies(json.loads(lane_block.read_text()))))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         again = [r.token_ids for r in make_engine(root, prefill_chunk=4).generate(PROMPTS, PARAMS)]
@@ -493,7 +489,7 @@ def test_torchcompile_programs_run_but_are_not_stored(tmp_path):
 
 
 def test_compile_command_lists_and_clears(traced, tmp_path, capsys):
-    root = copy_root(traced, tmp_path)
+    root = copy_root(traced["root"], tmp_path)
     (root / "damaged.json").write_text("{")
     (root / ".left.tmp").write_text("")
     (root / "README.md").write_text("kept")
