@@ -418,91 +418,23 @@ def test_an_idle_worker_reads_a_burst_of_requests_together_and_a_busy_one_does_n
 
     def arriving(n: int, every_s: float) -> queue.Queue:
         q = queue.Queue()
-        q.put((0, "r0", 0.0, {"prompts": [[1, 2]]}))
 
         def put():
-            for i in range(1, n):
-                time.sleep(every_s)
+            for i in range(n):
                 q.put((0, f"r{i}", 0.0, {"prompts": [[1, 2]]}))
+                time.sleep(every_s)
 
         threading.Thread(target=put, daemon=True).start()
         return q
 
     loop, window = EngineLoop(), 0.2  # a wide window here: arrivals on a loaded machine drift by ms
-    burst = loop._take_requests(arriving(6, window / 10), room=8, wait_s=TAKE_WAIT_S, gather_s=window)
+    burst = loop._take_requests(arriving(6, window / 10), room=8, gather_s=window)
     assert [uid for _, uid, _, _ in burst] == [f"r{i}" for i in range(6)]
-    capped = loop._take_requests(arriving(6, window / 10), room=4, wait_s=TAKE_WAIT_S, gather_s=window)
+    capped = loop._take_requests(arriving(6, window / 10), room=4, gather_s=window)
     assert len(capped) == 4  # never more than the engine has room for
-    busy = loop._take_requests(arriving(6, window / 10), room=8, wait_s=0.0, gather_s=0.0)
+    busy = loop._take_requests(arriving(6, window / 10), room=8, gather_s=0.0)
     assert [uid for _, uid, _, _ in busy] == ["r0"]
     start = time.perf_counter()
-    alone = loop._take_requests(arriving(1, 0.0), room=8, wait_s=TAKE_WAIT_S, gather_s=window)
+    alone = loop._take_requests(arriving(1, 0.0), room=8, gather_s=window)
     assert len(alone) == 1 and window <= time.perf_counter() - start < TAKE_WAIT_S + 2 * window
     assert GATHER_S <= 0.02  # what a lone request to an idle server waits at most
-
-
-def test_a_stepping_worker_looks_at_its_queue_once_per_step_in_time_for_the_next_step():
-    """Each get on LitServe's queue is a round trip through its manager process; polling every few ms
-    during steps slowed 8-client decode steps ~10% on 2 cores. A stepping engine looks once per step,
-    TAKE_AHEAD_S before the step is due to end: a request sent early in step 3 is admitted before step 4."""
-    import queue
-    from concurrent.futures import ThreadPoolExecutor
-    from types import SimpleNamespace
-
-    from thunder_batch.serve.loop import EngineLoop
-
-    step_s, began, admitted, gets = 0.1, [], [], []
-    request = (0, "u" * 32, 0.0, {"prompts": [[1, 2]]})
-
-    class Api:  # an engine always busy, each step step_s long
-        index, engine_thread = 0, ThreadPoolExecutor(1)
-        state = SimpleNamespace(beat=lambda index: None, set_worker=lambda index, **kw: None)
-
-        def has_active_requests(self):
-            return True
-
-        def room(self):
-            return 8
-
-        def step(self):
-            began.append(time.monotonic())
-            time.sleep(step_s)
-            return []
-
-        def step_failed(self, failed):
-            pass
-
-        def prepare(self, items):
-            return items
-
-        def admit(self, prepared):
-            admitted.append((len(began), [uid for uid, _ in prepared]))
-            return []
-
-    class Queue:  # the request is sent 10 ms into step 3
-        sent = False
-
-        def get(self, block=True, timeout=None):
-            gets.append(time.monotonic())
-            if not self.sent and len(began) == 3 and time.monotonic() - began[2] > 0.01:
-                self.sent = True
-                return request
-            raise queue.Empty
-
-    class Transport:
-        def send(self, item, consumer_id):
-            pass
-
-    async def serve(api, loop):
-        async def intake(requests):
-            while True:
-                await loop._intake(api, requests, Transport())
-
-        task = asyncio.ensure_future(intake(Queue()))
-        for _ in range(6):
-            await loop.run(api, "cpu", 0, None, Transport(), {}, None)
-        task.cancel()
-
-    asyncio.run(serve(Api(), EngineLoop()))
-    assert admitted == [(3, [request[1]])]  # between steps 3 and 4
-    assert len(gets) <= len(began) + 3, len(gets)  # polling every 5 ms would make ~120

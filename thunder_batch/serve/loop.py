@@ -3,9 +3,8 @@
 Two tasks on the worker's event loop, each handing blocking work to a thread:
 - intake takes requests off LitServe's queue only while the engine has room (up to B waiting beside
   its B slots: the rest stay in LitServe's queue, for whichever worker frees a slot first; an idle
-  engine takes a burst together, waiting up to GATHER_S for each next request; a stepping engine looks
-  once per step, shortly before it is expected to end), tells the HTTP side at once which worker took
-  each one, tokenizes outside the engine lock, then admits;
+  engine takes a burst together, waiting up to GATHER_S for each next request), tells
+  the HTTP side at once which worker took each one, tokenizes outside the engine lock, then admits;
 - steps run back to back while requests are in flight. A failed step fails the requests in flight
   (500) and counts towards the worker's health; an unhealthy worker takes no new requests and probes
   itself with an empty step every PROBE_S until one succeeds.
@@ -36,11 +35,6 @@ POLL_S = 0.005
 # An idle engine takes a burst of requests together: it waits this long for each next one, so 8 chats
 # sent at once are read in one wide first step, not in several narrow ones while the rest queue.
 GATHER_S = 0.01
-# A stepping engine looks at the queue once per step, this long before the step is expected to end (as
-# long as the last one): a request that came during the step is tokenized in time to join the next one.
-# Polling every POLL_S instead slowed 8-client decode steps by ~10% (37.5 vs 34 ms): each get wakes
-# LitServe's manager process and this one, and on few cores that preempts a step's OpenMP threads.
-TAKE_AHEAD_S = 0.005
 FULL_WAIT_S = 0.05  # a worker without room looks again this often (or when a step ends)
 PROBE_S = 5.0  # an unhealthy, idle worker tries an empty step this often
 
@@ -53,13 +47,10 @@ class EngineLoop(ContinuousBatchingLoop):
         self._order: asyncio.Lock | None = None
         self._heart: asyncio.Task | None = None
         self._probed_at = 0.0
-        self._began: asyncio.Event | None = None  # set as each step begins
-        self._step_began, self._step_s = 0.0, 0.0  # when the last step began, how long the last finished one took
 
     def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
         if self._wake is None:  # created on the worker's own event loop
             self._wake, self._stepped, self._order = asyncio.Event(), asyncio.Event(), asyncio.Lock()
-            self._began = asyncio.Event()
         return self._wake, self._stepped
 
     @property
@@ -91,11 +82,8 @@ class EngineLoop(ContinuousBatchingLoop):
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stepped.wait(), FULL_WAIT_S)
             return
-        if lit_api.has_active_requests():
-            await self._near_step_end(stepped)
-            items = await asyncio.to_thread(self._take_requests, request_queue, room, 0.0, 0.0)
-        else:
-            items = await asyncio.to_thread(self._take_requests, request_queue, room, TAKE_WAIT_S, GATHER_S)
+        gather_s = 0.0 if lit_api.has_active_requests() else GATHER_S
+        items = await asyncio.to_thread(self._take_requests, request_queue, room, gather_s)
         if not items:
             return
         claimed = {"event": "claimed", "worker": lit_api.index, "pid": os.getpid()}
@@ -107,19 +95,10 @@ class EngineLoop(ContinuousBatchingLoop):
             self._send(transport, await _on_engine_thread(lit_api, lit_api.admit, prepared))
         wake.set()
 
-    async def _near_step_end(self, stepped: asyncio.Event) -> None:
-        """Return TAKE_AHEAD_S before the running step's expected end (as long as the last one), or when it
-        ends; next time, not before another step begins. While a long step runs, every FULL_WAIT_S."""
-        with suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._began.wait(), FULL_WAIT_S)
-            self._began.clear()
-            due = self._step_began + self._step_s - TAKE_AHEAD_S
-            await asyncio.wait_for(stepped.wait(), max(due - time.monotonic(), 0.0))
-
-    def _take_requests(self, request_queue, room: int, wait_s: float, gather_s: float) -> list:
-        """Wait up to wait_s for one request, then take others while there is room: those already
+    def _take_requests(self, request_queue, room: int, gather_s: float) -> list:
+        """Wait up to TAKE_WAIT_S for one request, then take others while there is room: those already
         queued, and those arriving within gather_s of the last one."""
-        items, item = [], self._poll(request_queue, wait_s)
+        items, item = [], self._poll(request_queue, TAKE_WAIT_S)
         while item is not None:
             if len(item) == 4 and item[1] is not None:  # not LitServe's shutdown sentinel
                 items.append(item)
@@ -150,12 +129,8 @@ class EngineLoop(ContinuousBatchingLoop):
             wake.clear()
             return
         async with self.order:
-            stepped.clear()
-            self._step_began = time.monotonic()
-            self._began.set()
             try:
                 events = await _on_engine_thread(lit_api, lit_api.step)
-                self._step_s = time.monotonic() - self._step_began
                 lit_api.step_failed(False)
             except Exception:
                 logger.exception("engine step failed; failing the requests in flight")
