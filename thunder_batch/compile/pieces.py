@@ -45,6 +45,7 @@ class TracedPiece:
     record: dict | None = None  # the storable form; None when not exportable
     not_stored: str | None = None  # why `record` is None
     jitted: object | None = field(default=None, repr=False)  # Thunder's module (None when loaded)
+    checked: bool = False  # loaded, and it passed its load-time check (on the first layer it served)
 
     def bind(self, module: nn.Module) -> BoundComputation:
         return BoundComputation(self.computation, self.bindings, module, self.written, self.single)
