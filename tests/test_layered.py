@@ -85,6 +85,30 @@ def test_warmup_runs_the_layers_once_per_shape_and_every_head_on_their_output(co
     assert [[t.tolist() for t in out] for out in together] == [[t.tolist() for t in out] for out in alone]
 
 
+def test_a_warm_up_runs_a_stored_block_on_its_first_layer_only(tmp_path, monkeypatch):
+    """A warm-up's outputs are thrown away: a layer whose program an earlier layer ran is bound, not run
+    (at B=64, every layer's run at every shape was most of a warm start). Loaded from the store, a shape's
+    block runs twice in a warm-up (its load-time check, then its first run), not once per layer; the steps
+    after it run every layer and equal eager."""
+    from collections import Counter
+
+    from thunder_batch.compile.trace_export import BoundComputation
+
+    engine_for(tiny_gpt("llama", n_layer=4), tmp_path)  # fills the store
+    runs, call = Counter(), BoundComputation.__call__
+
+    def counting(self, *args):
+        runs["block" if self.writes else "other"] += 1  # a block writes its layer's KV cache
+        return call(self, *args)
+
+    monkeypatch.setattr(BoundComputation, "__call__", counting)
+    engine = engine_for(tiny_gpt("llama", n_layer=4), tmp_path)
+    assert engine.stats()["traced"] == 0
+    assert runs["block"] == 2 * len(SHAPES)  # one check and one run per shape (5 with every layer run)
+    monkeypatch.undo()
+    assert run(engine) == run(Engine(tiny_gpt("llama", n_layer=4), EngineConfig(compile="eager", **CONFIG)))
+
+
 @pytest.mark.regression
 def test_a_layer_with_a_different_attribute_gets_its_own_trace(tmp_path):
     def model():

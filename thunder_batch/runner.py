@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thunder_batch.compile.step import load_or_compile_program
+from thunder_batch.compile.step import load_or_compile_program, outputs_unused
 from thunder_batch.compile.step import program_stats as step_program_stats
 from thunder_batch.config import EngineConfig, StepShape
 from thunder_batch.kv_cache import copy_entries
@@ -217,11 +217,12 @@ class Runner:
         return seconds
 
     def warm(self, shape: StepShape, heads: tuple[str, ...]) -> None:
-        """One empty step of `shape`: the layers run once and each of `heads` on their output (at
-        B = 64 a prompt-wide step runs for seconds: not once per head)."""
+        """One empty step of `shape`: its programs made, each layer program run once (the layers after
+        the first that a program serves are bound, not run: `outputs_unused`) and each of `heads` on
+        the output (at B = 64 a prompt-wide step runs for seconds: not once per head)."""
         head = heads[0] if len(heads) == 1 else heads  # one head: the call the steps make
         fn = self.verify_fn if shape.verify else self.step_fn
-        with torch.no_grad():
+        with torch.no_grad(), outputs_unused(fn):
             fn(*self.inputs_for(StepPlan([], verify=shape.verify), shape).as_args(), head=head)
 
     def run(self, plan: StepPlan, head: str | None = None, shape: StepShape | None = None) -> StepResult:

@@ -81,6 +81,10 @@ class LayeredProgram:
         self.pieces: list[TracedPiece] = []  # every distinct program made, in order
         self.jitted: list = []  # every function Thunder jitted here, duplicate block traces included
         self.calls = 0
+        # False during a warm-up (`compile.step.outputs_unused`): its outputs are thrown away, so a layer
+        # whose program an earlier layer made (and checked) is bound without running (at B=64 the layers'
+        # runs at every shape were most of a warm start).
+        self.outputs_used = True
         self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
         names = [getattr(ex, "name", None) for ex in options.get("executors", ())]
         self._eager_linears = ProjectKernelsMode if EXECUTOR in names else contextlib.nullcontext
@@ -186,8 +190,8 @@ class LayeredProgram:
         Once is enough: the layers it serves next pass the same prologue checks and run the same program
         (checking all 30 layers was 40 of a 53 s warm start at B=64)."""
         bound = piece.bind(module)
-        if piece.jitted is not None or piece.checked:
-            return bound, bound(*args)
+        if piece.jitted is not None or piece.checked:  # an earlier layer ran this program (traced, or checked)
+            return bound, bound(*args) if self.outputs_used else args[0]  # x [N, C] -> x [N, C]
         problem = checked_call(bound, module, probe(), self._eager_linears)
         if problem:
             warn(f"compile cache block entry ignored, retracing: failed its load-time check ({problem})")
@@ -196,7 +200,7 @@ class LayeredProgram:
             self.loaded["block"] -= 1
             return None, None
         piece.checked = True
-        return bound, bound(*args)
+        return bound, bound(*args)  # its first run, warm-up or not: it loads the piece's compiled regions
 
     def _make(self, kind: str, module, args: tuple, probe: Callable[[], tuple]):
         """A prefix or head program: loaded if stored and sound on the `probe()` inputs, else traced (and stored)."""

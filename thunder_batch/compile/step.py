@@ -3,6 +3,7 @@ whole step as one trace), with the jit options the config implies; its counters 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from torch import nn
@@ -91,6 +92,24 @@ def _load_or_compile(program: StepProgram, config: EngineConfig, probe_inputs) -
 
 def is_compiled(fn: Callable) -> bool:
     return not isinstance(fn, nn.Module) or type(fn).__name__ == "ThunderModule"
+
+
+@contextlib.contextmanager
+def outputs_unused(fn: Callable):
+    """Calls of `fn` in this context are warm-ups: their outputs are thrown away (see
+    LayeredProgram.outputs_used; other step programs run as always)."""
+    from thunder_batch.compile.cuda_graphs import CUDAGraphProgram
+    from thunder_batch.compile.layered import LayeredProgram
+
+    layered = fn.program if isinstance(fn, CUDAGraphProgram) else fn
+    if not isinstance(layered, LayeredProgram):
+        yield
+        return
+    layered.outputs_used = False
+    try:
+        yield
+    finally:
+        layered.outputs_used = True
 
 
 def program_stats(fn: Callable) -> dict:
