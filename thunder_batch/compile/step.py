@@ -98,10 +98,9 @@ def is_compiled(fn: Callable) -> bool:
 def outputs_unused(fn: Callable):
     """Calls of `fn` in this context are warm-ups: their outputs are thrown away (see
     LayeredProgram.outputs_used; other step programs run as always)."""
-    from thunder_batch.compile.cuda_graphs import CUDAGraphProgram
     from thunder_batch.compile.layered import LayeredProgram
 
-    layered = fn.program if isinstance(fn, CUDAGraphProgram) else fn
+    layered = _unwrapped(fn)
     if not isinstance(layered, LayeredProgram):
         yield
         return
@@ -165,10 +164,16 @@ def execution_traces(fn: Callable) -> list:
     """Thunder's final execution traces of the programs traced in this process: every piece of a
     layered program (prefix, blocks, heads), or the latest whole-step trace. Programs loaded from
     the compile cache have no trace object and are not listed."""
-    from thunder_batch.compile.cuda_graphs import CUDAGraphProgram
     from thunder_batch.compile.layered import LayeredProgram
 
-    fn = fn.program if isinstance(fn, CUDAGraphProgram) else fn
+    fn = _unwrapped(fn)
     if isinstance(fn, LayeredProgram):
         return fn.execution_traces()
     return [import_thunder().last_traces(fn)[-1]] if is_compiled(fn) and cache_misses(fn) else []
+
+
+def _unwrapped(fn: Callable) -> Callable:
+    """The step program inside `fn`'s CUDA graphs, if it has them; else `fn`."""
+    from thunder_batch.compile.cuda_graphs import CUDAGraphProgram
+
+    return fn.program if isinstance(fn, CUDAGraphProgram) else fn
