@@ -109,6 +109,33 @@ def test_a_warm_up_runs_a_stored_block_on_its_first_layer_only(tmp_path, monkeyp
     assert run(engine) == run(Engine(tiny_gpt("llama", n_layer=4), EngineConfig(compile="eager", **CONFIG)))
 
 
+def test_a_warm_up_checks_a_stored_head_without_running_it_again(tmp_path, monkeypatch):
+    """A loaded head's load-time check runs it; a warm-up throws the outputs away and a head has no
+    compiled regions to load, so it is not run a second time (at fp32 B=64 a head's run is ~0.1 s: the
+    logits and the sampler's sort). The steps after the warm-up run every head they pick and equal eager."""
+    import torch
+
+    from thunder_batch.compile.trace_export import BoundComputation
+
+    engine_for(tiny_gpt("llama"), tmp_path)  # fills the store
+    head_runs, call = [0], BoundComputation.__call__
+
+    def counting(self, *args):
+        out = call(self, *args)
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        head_runs[0] += first.dtype == torch.int64  # a head returns the sampled tokens first
+        return out
+
+    monkeypatch.setattr(BoundComputation, "__call__", counting)
+    engine = engine_for(tiny_gpt("llama"), tmp_path)
+    stats = engine.stats()
+    assert stats["traced"] == 0
+    loaded_heads = sum(n for kind, n in stats["programs"].items() if kind.startswith("head"))
+    assert loaded_heads >= 3 and head_runs[0] == loaded_heads  # each checked once (twice with the run after it)
+    monkeypatch.undo()
+    assert run(engine) == run(Engine(tiny_gpt("llama"), EngineConfig(compile="eager", **CONFIG)))
+
+
 @pytest.mark.regression
 def test_a_layer_with_a_different_attribute_gets_its_own_trace(tmp_path):
     def model():

@@ -219,7 +219,8 @@ class Runner:
     def warm(self, shape: StepShape, heads: tuple[str, ...]) -> None:
         """One empty step of `shape`: its programs made, each layer program run once (the layers after
         the first that a program serves are bound, not run: `outputs_unused`) and each of `heads` on
-        the output (at B = 64 a prompt-wide step runs for seconds: not once per head)."""
+        the output, a loaded head only by its check (at B = 64 a prompt-wide step runs for seconds: not
+        once per head)."""
         head = heads[0] if len(heads) == 1 else heads  # one head: the call the steps make
         fn = self.verify_fn if shape.verify else self.step_fn
         with torch.no_grad(), outputs_unused(fn):
