@@ -207,7 +207,7 @@ def test_every_key_field_changes_the_digest(traced):
 def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monkeypatch):
     def key_of(engine, shape=None):  # the prefix's key: every field but the piece's own
         idx, input_pos, _, key_pos, *_ = engine.runner.inputs_for(StepPlan([]), shape).as_args()
-        return engine.runner.step_fn._key("prefix", "", (idx, input_pos, key_pos))
+        return engine.runner.step_fn.entries.key("prefix", "", (idx, input_pos, key_pos))
 
     base = key_of(make_engine(tmp_path))
     if change in ("batch_size", "max_seq_length"):

@@ -19,14 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from thunder_batch._compat import import_thunder
-from thunder_batch.compile.cache import EntryStore, make_key, piece_key, warn
-from thunder_batch.compile.executors import describe_options
+from thunder_batch.compile.cache import EntryStore, warn
 from thunder_batch.compile.fused_region import artifacts_in, has_regions
 from thunder_batch.compile.fusion import EXECUTOR as FUSION
 from thunder_batch.compile.load_check import checked_call
-from thunder_batch.compile.pieces import SharedTraces, TracedPiece, piece_from_record, trace_piece
+from thunder_batch.compile.piece_store import PieceStore
+from thunder_batch.compile.pieces import SharedTraces, TracedPiece, trace_piece
 from thunder_batch.compile.project_executor import EXECUTOR, ProjectKernelsMode
-from thunder_batch.compile.signature import paths_from_json, paths_to_json
 from thunder_batch.program import StepProgram
 
 
@@ -70,7 +69,6 @@ class LayeredProgram:
     ) -> None:
         self.program, self.config, self.options, self.store = program, config, options, store
         self.probe_inputs = probe_inputs
-        self._base_keys: dict[bool, object] = {}  # head or not -> the key fields its pieces share
         self._shapes: dict[tuple[int, int], _Shape] = {}
         self._heads: dict[int, dict[str, Callable]] = {}  # rows N -> head programs
         # Checked values two identical block traces showed not to matter (litgpt's block_idx): a
@@ -91,6 +89,7 @@ class LayeredProgram:
         # Heads are not fused: a few ops a step, and fused logits could move a near-tie's argmax.
         executors = [ex for ex in options.get("executors", ()) if ex.name != FUSION]
         self.head_options = dict(options, executors=executors) if FUSION in names else options
+        self.entries = None if store is None else PieceStore(store, program, config, options, self.head_options)
 
     def _making(self):
         """The context pieces are made in: fusion regions store their compiled code under the cache root."""
@@ -121,7 +120,8 @@ class LayeredProgram:
             x = self._block(shape, i, (x, *shared))
         if not shape.blocks_settled:
             shape.blocks_settled = True
-            self._store_blocks(shape, (x, *shared))
+            if self.entries is not None:
+                self.entries.save_blocks(shape.shared, (x, *shared))
         head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed, target)
         if isinstance(head, tuple):  # a warm-up: every head on one run of the layers
             return tuple(self._head(shape, h, head_args) for h in head)
@@ -167,8 +167,8 @@ class LayeredProgram:
 
     def _load_or_trace_block(self, shape: _Shape, i: int, module, args: tuple, start: float):
         try:
-            if not shape.shared.traces and self.store is not None:
-                self._load_stored_blocks(shape, args)
+            if not shape.shared.traces and self.entries is not None:
+                self._take_stored_blocks(shape, args)
             piece = shape.shared.find(module)
             if piece is not None:
                 probe = lambda: self._probe(shape, args).block  # noqa: E731  (made only to check a stored piece)
@@ -211,8 +211,8 @@ class LayeredProgram:
 
     def _load_or_trace(self, kind: str, module, args: tuple, probe: Callable[[], tuple], start: float):
         try:
-            key = self._key(kind, "", args) if self.store is not None else None
-            piece = self._load(key) if key is not None else None
+            key = self.entries.key(kind, "", args) if self.entries is not None else None
+            piece = self.entries.load(key) if key is not None else None
             if piece is not None:
                 bound = piece.bind(module)
                 problem = checked_call(bound, module, probe(), self._eager_linears)
@@ -220,14 +220,14 @@ class LayeredProgram:
                     self._count(True, kind, piece, traced=False)
                     return bound, None if self._checked_is_enough(kind, piece) else bound(*args)
                 warn(
-                    f"compile cache entry {self.store.path(key).name} ignored, retracing: "
+                    f"compile cache entry {self.entries.name(key)} ignored, retracing: "
                     f"failed its load-time check ({problem})"
                 )
             options = self.head_options if kind.startswith("head") else self.options
             piece, out = trace_piece(module, args, options)
             self._count(True, kind, piece, traced=True)
             if key is not None:
-                self._save(key, piece)
+                self.entries.save(key, piece)
             return piece.bind(module), out
         finally:
             self.seconds[kind] += time.perf_counter() - start
@@ -247,59 +247,16 @@ class LayeredProgram:
             self.traced[kind + " (same as an earlier layer)"] += 1
 
     # -- the compile cache --------------------------------------------------------------------
-    def _key(self, kind: str, signature: str, args: tuple):
-        """The piece's key, naming the executors and options it is traced with (heads': no fusion)."""
-        head = kind.startswith("head")
-        if head not in self._base_keys:  # made on first use: the model and options are final by then
-            options = self.head_options if head else self.options
-            self._base_keys[head] = make_key(self.program, self.config, *describe_options(options))
-        return piece_key(self._base_keys[head], kind, signature, args)
-
-    def _load(self, key) -> TracedPiece | None:
-        record = self.store.load(key)
-        if record is None:
-            return None
-        try:
-            return piece_from_record(record)
-        except Exception as e:
-            warn(
-                f"compile cache entry {self.store.path(key).name} ignored, retracing: unloadable "
-                f"({type(e).__name__}: {e})"
-            )
-            return None
-
-    def _save(self, key, piece: TracedPiece) -> None:
-        if piece.record is None:
-            warn(f"{key.piece} program for rows {key.rows} not stored in the compile cache: {piece.not_stored}")
+    def _take_stored_blocks(self, shape: _Shape, args: tuple) -> None:
+        """The stored block programs of this shape, if its whole layout loads, and the values found not to matter."""
+        stored = self.entries.load_blocks(args)
+        if stored is None:
             return
-        self.store.save(key, piece.record)
-
-    def _load_stored_blocks(self, shape: _Shape, args: tuple) -> None:
-        """The stored block programs of this shape and the values found not to matter."""
-        layout = self.store.load(self._key("layers", "", args))
-        if layout is None:
-            return
-        shape.shared.ignored |= paths_from_json(layout["ignored"])
-        for digest in layout["blocks"]:
-            piece = self._load(self._key("block", digest, args))
-            if piece is None:
-                shape.shared = SharedTraces(self.ignored)  # all or nothing: trace this shape's blocks afresh
-                return
+        ignored, pieces = stored
+        shape.shared.ignored |= ignored
+        for piece in pieces:
             shape.shared.traces.append(piece)
             self._count(True, "block", piece, traced=False)
-
-    def _store_blocks(self, shape: _Shape, args: tuple) -> None:
-        """After the first pass over every layer: store the block programs and the layout, unless
-        they all came from the store."""
-        shared = shape.shared
-        if self.store is None or all(piece.jitted is None for piece in shared.traces):
-            return
-        digests = [shared.digest(piece) for piece in shared.traces]
-        for digest, piece in zip(digests, shared.traces):
-            self._save(self._key("block", digest, args), piece)
-        if all(piece.record is not None for piece in shared.traces):
-            ignored = paths_to_json(shared.ignored)
-            self.store.save(self._key("layers", "", args), dict(ignored=ignored, blocks=digests))
 
     # -- inspection ---------------------------------------------------------------------------
     def stats(self) -> dict:
