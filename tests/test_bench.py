@@ -235,7 +235,7 @@ def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
     thunder = next(m for m in result["runs"] if m["system"] == "thunder-torch")
     assert thunder["token_check"]["mismatched_requests"] == 0
     assert thunder["output_tokens"] == 3 * result["workload"]["max_new_tokens_mean"] > 0
-    # one shape: prefix, block and the three heads (filtered, unfiltered, greedy), traced then loaded
+    # one shape: prefix, block and the three heads (filtered, unsorted, greedy), traced then loaded
     assert thunder["compile"]["cold_s"] > 0 and thunder["compile"]["traced"] == 5
     assert thunder["compile"]["disk_cache_hits"] == 5 and thunder["compile"]["warm_s"] < thunder["compile"]["cold_s"]
     # The warm engine ran: it loaded every piece, and Thunder traced nothing before or during the run.

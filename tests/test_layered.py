@@ -55,7 +55,7 @@ def test_uniform_layers_share_one_block_trace(tmp_path):
     assert run(engine) == run(Engine(tiny_gpt("llama", n_layer=4), EngineConfig(compile="eager", **CONFIG)))
     assert [block_programs(engine, w) for w in SHAPES] == [[0, 0, 0, 0]] * len(SHAPES)
     stats = engine.stats()
-    assert stats["programs"] == {"prefix": 4, "block": 4, "head-filtered": 4, "head-unfiltered": 4, "head-greedy": 4}
+    assert stats["programs"] == {"prefix": 4, "block": 4, "head-filtered": 4, "head-unsorted": 4, "head-greedy": 4}
     # At the first shape, layer 1 is traced once more: its trace equals layer 0's, so the value their
     # checks differ on (litgpt's block_idx) is learned not to matter; no other layer traces anything.
     assert engine.runner.step_fn.traced["block"] == 4

@@ -254,21 +254,21 @@ def temperature_only_batch(n, seed=7):
     return logits, temperature, torch.arange(n) * 7919, torch.arange(n) % 97 + 3
 
 
-def test_unfiltered_head_gives_the_same_tokens_for_greedy_and_temperature_rows():
+def test_unsorted_head_gives_the_same_tokens_for_greedy_and_temperature_rows():
     n = 256
     logits, temperature, seed, position = temperature_only_batch(n)
     top_k = torch.tensor([0, V, V + 1, 0]).repeat(n // 4)  # [n] all "off"
-    with_sort = sample(logits, temperature, top_k, 1.0, seed, position, filtered=True)
-    without = sample(logits, temperature, top_k, 1.0, seed, position, filtered=False)
+    with_sort = sample(logits, temperature, top_k, 1.0, seed, position, sort=True)
+    without = sample(logits, temperature, top_k, 1.0, seed, position, sort=False)
     assert torch.equal(with_sort[0], without[0]) and torch.equal(with_sort[1], without[1])
     sampled = temperature > 0
     assert (without[0][sampled] != logits.argmax(-1)[sampled]).sum() > 40  # rows really sample
 
 
-def test_temperature_row_beside_top_p_rows_equals_it_alone_unfiltered():
+def test_temperature_row_beside_top_p_rows_equals_it_alone_unsorted():
     n = 64
     logits, temperature, seed, position = temperature_only_batch(n, seed=8)
-    alone = sample(logits, temperature, 0, 1.0, seed, position, filtered=False)
+    alone = sample(logits, temperature, 0, 1.0, seed, position, sort=False)
     # Interleave: even slots hold the rows under test, odd slots top-p / top-k neighbours.
     mixed = torch.randn(2 * n, V) * 2  # [2n, V]
     mixed[0::2] = logits
@@ -276,27 +276,27 @@ def test_temperature_row_beside_top_p_rows_equals_it_alone_unfiltered():
     top_p2 = torch.full((2 * n,), 0.5).index_fill(0, torch.arange(0, 2 * n, 2), 1.0)
     top_k2 = torch.tensor([0, 5]).repeat(n)  # odd slots also top-k 5
     seed2, pos2 = torch.arange(2 * n).index_copy(0, torch.arange(0, 2 * n, 2), seed), position.repeat_interleave(2)
-    tok, logp = sample(mixed, temp2, top_k2, top_p2, seed2, pos2, filtered=True)
+    tok, logp = sample(mixed, temp2, top_k2, top_p2, seed2, pos2, sort=True)
     assert torch.equal(tok[0::2], alone[0]) and torch.equal(logp[0::2], alone[1])
     reference = [allowed_probs(mixed[i], 1.0, 5, 0.5) for i in range(1, 2 * n, 2)]
     assert all(int(t) in ref for t, ref in zip(tok[1::2], reference))  # neighbours really filtered
 
 
 @pytest.mark.regression
-def test_traced_unfiltered_equals_eager_without_a_sort(thunder):
+def test_traced_unsorted_equals_eager_without_a_sort(thunder):
     torch.manual_seed(9)
     jf = thunder.jit(batched_sample)
     n = 8
     for call in range(3):
         logits, temperature, seed, position = temperature_only_batch(n, seed=10 + call)
         args = (logits, temperature, torch.zeros(n, dtype=torch.int64), torch.ones(n), seed, position + call * 2**31)
-        tok, logp = jf(*args, filtered=False)
-        ref_tok, ref_logp = batched_sample(*args, filtered=False)
+        tok, logp = jf(*args, sort=False)
+        ref_tok, ref_logp = batched_sample(*args, sort=False)
         assert torch.equal(tok, ref_tok) and torch.equal(logp, ref_logp)
         assert torch.equal(tok, batched_sample(*args)[0])  # == the filtered head on these rows
     assert thunder.cache_misses(jf) == 1
     src = thunder.last_traces(jf)[-1].python()
-    assert "bitwise_xor" in src and "sort" not in src and "cumsum" not in src
+    assert "bitwise_xor" in src and "sort(" not in src and "topk(" in src  # small top-k rows: topk, not a sort
 
 
 @pytest.mark.regression
@@ -313,3 +313,45 @@ def test_greedy_head_equals_greedy_rows_of_the_sampler(thunder):
     assert torch.equal(want[0], logits.argmax(-1))
     src = thunder.last_traces(jf)[-1].python()
     assert "bitwise_xor" not in src and "sort" not in src
+
+
+def small_top_k_batch(n, vocab, seed):
+    """Sharp and flat rows at temperature 0.8, top-k 1..64 each with top-p 1, 0.95, 0.9 or 0.5."""
+    torch.manual_seed(seed)
+    logits = torch.randn(n, vocab) * torch.tensor([0.5, 2.0, 6.0]).repeat(n // 3)[:, None]  # [n, vocab]
+    top_k = torch.tensor([1, 2, 5, 17, 40, 64]).repeat(n // 6)  # [n]
+    top_p = torch.tensor([1.0, 0.95, 0.9, 0.5]).repeat(n // 4)  # [n]
+    return logits, torch.full((n,), 0.8), top_k, top_p, torch.arange(n) * 31 + seed, torch.arange(n) + 5
+
+
+def test_a_small_top_k_row_draws_what_the_sorted_filter_allows():
+    """Rows with top-k <= SMALL_TOP_K draw from their top-k values (torch.topk) instead of sorting the
+    vocabulary: the same token as the Gumbel-max over the sort-filtered row (the sampler before)."""
+    from thunder_batch.sampler import SMALL_TOP_K, gumbel_noise
+
+    assert SMALL_TOP_K == 64
+    vocab = 1000
+    logits, temperature, top_k, top_p, seed, position = small_top_k_batch(96, vocab, seed=12)
+    for sort in (False, True):
+        tok, logp = batched_sample(logits, temperature, top_k, top_p, seed, position, sort=sort)
+        filtered = filter_top_k_top_p(logits / temperature[:, None], top_k, top_p)  # [n, vocab]
+        assert torch.equal(tok, (filtered + gumbel_noise(seed, position, vocab)).argmax(-1))
+        assert torch.equal(logp, torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1))
+    assert len(set(tok[top_k == 64].tolist())) > 8  # rows really sample
+
+
+def test_a_small_top_k_row_beside_rows_that_need_the_sort_equals_it_alone_unsorted():
+    vocab, n = 1000, 48
+    logits, temperature, top_k, top_p, seed, position = small_top_k_batch(n, vocab, seed=13)
+    alone = batched_sample(logits, temperature, top_k, top_p, seed, position, sort=False)
+    # Interleave: even slots hold the rows under test, odd slots top-p only or top-k 100 (both need the sort).
+    odd = torch.arange(1, 2 * n, 2)
+    mixed = (torch.randn(2 * n, vocab) * 2).index_copy(0, odd - 1, logits)  # [2n, vocab]
+    top_k2 = torch.tensor([0, 100]).repeat(n).index_copy(0, odd - 1, top_k)  # [2n]
+    top_p2 = torch.full((2 * n,), 0.7).index_copy(0, odd - 1, top_p)
+    temp2 = torch.ones(2 * n).index_copy(0, odd - 1, temperature)
+    seed2, pos2 = torch.arange(2 * n).index_copy(0, odd - 1, seed), position.repeat_interleave(2)
+    tok, logp = batched_sample(mixed, temp2, top_k2, top_p2, seed2, pos2, sort=True)
+    assert torch.equal(tok[0::2], alone[0]) and torch.equal(logp[0::2], alone[1])
+    reference = [allowed_probs(mixed[i], 1.0, int(top_k2[i]), 0.7) for i in odd.tolist()]
+    assert all(int(t) in ref for t, ref in zip(tok[1::2], reference))  # neighbours really filtered

@@ -235,7 +235,11 @@ def test_head_for_picks_the_cheapest_head_that_serves_every_sampling_slot():
     top_p, top_k = SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.8, top_k=5)
     assert head_for(StepPlan([work(greedy), work(greedy)])) == "greedy"
     assert head_for(StepPlan([work(greedy), work(top_p, samples=False)])) == "greedy"  # still prefilling
-    assert head_for(StepPlan([work(greedy), work(temp)])) == "unfiltered"
+    assert head_for(StepPlan([work(greedy), work(temp)])) == "unsorted"
     assert head_for(StepPlan([work(temp), work(top_p)])) == "filtered"
-    assert head_for(StepPlan([work(top_k)])) == "filtered"
+    assert head_for(StepPlan([work(top_k)])) == "unsorted"  # top-k <= SMALL_TOP_K: drawn from topk, no sort
+    small_top_k_top_p = SamplingParams(temperature=0.8, top_k=64, top_p=0.5)
+    assert head_for(StepPlan([work(temp), work(small_top_k_top_p)])) == "unsorted"
+    assert head_for(StepPlan([work(SamplingParams(temperature=0.8, top_k=65))])) == "filtered"
+    assert head_for(StepPlan([work(top_k), work(top_p)])) == "filtered"
     assert head_for(StepPlan([work(SamplingParams(top_k=5, top_p=0.5))])) == "greedy"  # temperature 0

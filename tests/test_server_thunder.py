@@ -93,7 +93,7 @@ def test_thunder_server_traces_once_then_loads_from_the_compile_cache(
             # Every step shape made once at startup (traced cold, loaded warm); no request retraced.
             assert stats["cache_misses"] == 4
             assert (stats["traced"], stats["disk_cache_hits"]) == (traced, loaded), stats
-            heads = {"head-filtered": 4, "head-unfiltered": 4, "head-greedy": 4}
+            heads = {"head-filtered": 4, "head-unsorted": 4, "head-greedy": 4}
             assert stats["programs"] == {"prefix": 4, "block": 4, **heads}
             assert stats["cache_hits"] > 0
         finally:

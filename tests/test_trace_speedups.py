@@ -74,7 +74,7 @@ def test_layered_pieces_trace_the_same_with_and_without_the_shortcuts(shortcuts,
             "prefix": 3,
             "block": 3,
             "head-filtered": 3,
-            "head-unfiltered": 3,
+            "head-unsorted": 3,
             "head-greedy": 3,
         }
         runs[on] = thunder_traces(engine), outputs(engine)

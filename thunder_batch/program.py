@@ -67,7 +67,7 @@ class BlockStep(nn.Module):
         return block_forward(self.block, self.cache, x, shared, self.lane_len, self.experts)
 
 
-HEADS = ("filtered", "unfiltered", "greedy")  # the samplers; each head variant is one of them
+HEADS = ("filtered", "unsorted", "greedy")  # the samplers; each head variant is one of them
 EXTRAS = ("top", "prompt")  # what a variant adds: "greedy_top", "filtered_prompt", ...
 VARIANTS = HEADS + tuple(f"{head}_{extra}" for head in HEADS for extra in EXTRAS)
 
@@ -75,9 +75,10 @@ VARIANTS = HEADS + tuple(f"{head}_{extra}" for head in HEADS for extra in EXTRAS
 class StepHead(nn.Module):
     """Final norm and lm_head on each slot's last real row, then the sampler.
 
-    Three samplers, each for the steps that need no more: "filtered" (top-k/top-p by a
-    full-vocabulary sort), "unfiltered" (temperature sampling without the sort), "greedy" (argmax,
-    no random noise). A row gets the same token and logprob from every variant that serves it.
+    Three samplers, each for the steps that need no more: "filtered" (any top-k/top-p; rows that
+    need it by a full-vocabulary sort), "unsorted" (temperature, and top-k up to SMALL_TOP_K from the
+    top-k values: no sort), "greedy" (argmax, no random noise). A row gets the same token and logprob
+    from every variant that serves it.
     Variants `<sampler>_top` also return each slot's MAX_LOGPROBS most likely tokens and their
     logprobs; `<sampler>_prompt` also score every row of the step (the prompt rows) against its
     `target` token, with alternatives: lm_head then runs on all N rows, not only the last ones.
@@ -114,8 +115,8 @@ class StepHead(nn.Module):
         if self.variant == "greedy":
             out = greedy_sample(logits)
         else:
-            filtered = self.variant == "filtered"
-            out = batched_sample(logits, temperature, top_k, top_p, seed, last_pos + 1, filtered=filtered)
+            sort = self.variant == "filtered"
+            out = batched_sample(logits, temperature, top_k, top_p, seed, last_pos + 1, sort=sort)
         return (*out, *top_logprobs(logits, MAX_LOGPROBS)) if self.extra else out
 
 
@@ -139,7 +140,7 @@ class VerifyHead(StepHead):
             rows = greedy_sample(logits)
         else:
             settings = (t.index_select(0, slots) for t in (temperature, top_k, top_p, seed))  # [R] each
-            rows = batched_sample(logits, *settings, position, filtered=self.variant == "filtered")
+            rows = batched_sample(logits, *settings, position, sort=self.variant == "filtered")
         if self.extra == "top":
             rows = (*rows, *top_logprobs(logits, MAX_LOGPROBS))
         return (*out, *rows)

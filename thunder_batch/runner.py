@@ -15,6 +15,7 @@ from thunder_batch.config import EngineConfig, StepShape
 from thunder_batch.kv_cache import copy_entries
 from thunder_batch.model import check_supported
 from thunder_batch.program import HEADS, StepProgram
+from thunder_batch.sampler import needs_sort
 from thunder_batch.scheduler import SlotWork, StepPlan
 
 
@@ -304,7 +305,8 @@ def _lane_slots(plan: StepPlan, lanes: int, B: int, C: int) -> list[int]:
 
 def head_for(plan: StepPlan, sampler: str | None = None) -> str:
     """ "greedy" when no slot that samples this step has temperature > 0, "filtered" when one of
-    those uses top-k or top-p, else "unfiltered" (or `sampler`, when given). Slots still prefilling
+    those needs the sampler's full-vocabulary sort (top-p, or top-k above SMALL_TOP_K), else
+    "unsorted" (or `sampler`, when given). Slots still prefilling
     sample nothing that counts. Suffixed "_prompt" when a row is scored against the next prompt
     token (prompt logprobs), else "_top" when a sampling slot wants logprob alternatives."""
     sampler = sampler or _sampler_for(plan)
@@ -319,7 +321,7 @@ def _sampler_for(plan: StepPlan) -> str:
     sampling = [w.request.params for w in plan.work if w.samples and w.request.params.temperature > 0]
     if not sampling:
         return "greedy"
-    return "filtered" if any(p.top_k or p.top_p < 1 for p in sampling) else "unfiltered"
+    return "filtered" if any(needs_sort(p.top_k, p.top_p) for p in sampling) else "unsorted"
 
 
 def scores_prompt(work: SlotWork) -> bool:
