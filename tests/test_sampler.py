@@ -163,13 +163,37 @@ def test_uniforms_strictly_inside_unit_interval_and_bits_balanced():
 
     seed = torch.tensor([0, 1, 2**31 - 1, 12345] * 16)  # [64]
     position = torch.arange(64) * 2**26  # up to ~2**32: exercises the 32-bit mask
-    bits = random_bits(seed, position, 1024)  # [64, 1024]
-    assert bits.min() >= 0 and bits.max() < 2**32
+    bits = random_bits(seed, position, 1024)  # [64, 1024] int32: the 32 bits
+    assert bits.dtype == torch.int32
     ones = torch.stack([(bits >> b) & 1 for b in range(32)]).double().mean(dim=(1, 2))  # [32]
     assert ((ones - 0.5).abs() < 0.01).all(), ones  # each bit fair (sd ~0.002 here)
     g = gumbel_noise(seed, position, 1024)
     assert torch.isfinite(g).all()
     assert abs(g.mean().item() - 0.5772) < 0.01  # Euler-Mascheroni: the Gumbel mean
+
+
+def random_bits_in_int64(seed, position, vocab_size):
+    """The hash in int64 throughout, every sum and product masked to 32 bits (the sampler's first form)."""
+    from thunder_batch.sampler import _MASK32, _POS_OFFSET, _SEED_HI_OFFSET, _SEED_OFFSET, _VOCAB_OFFSET, mix32
+
+    pos = (position + _POS_OFFSET) & _MASK32
+    low = mix32(mix32(((seed & _MASK32) + _SEED_OFFSET) & _MASK32) ^ pos)
+    high = mix32(mix32((((seed >> 32) & _MASK32) + _SEED_HI_OFFSET) & _MASK32) ^ mix32(pos))
+    vocab = mix32(torch.arange(vocab_size, dtype=torch.int64) + _VOCAB_OFFSET)
+    return mix32(((low[:, None] ^ vocab[None, :]) + high[:, None]) & _MASK32)
+
+
+def test_the_int32_hash_gives_the_int64_hash_bits():
+    torch.manual_seed(14)
+    seed = torch.cat(
+        [torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 2**31, 2**32 - 1]), torch.randint(-(2**62), 2**62, (57,))]
+    )
+    position = torch.cat([torch.tensor([0, 2**31 - 1, 2**32 - 1, 2**32, 5, 6, 7]), torch.randint(0, 2**40, (57,))])
+    bits = random_bits(seed, position, 4099)  # [64, 4099]: an odd width (vector loops' tails)
+    want = random_bits_in_int64(seed, position, 4099)  # int64 in [0, 2**32)
+    assert torch.equal(bits.to(torch.int64) & 0xFFFFFFFF, want)
+    assert torch.equal(bits_to_uniform(bits), bits_to_uniform(want))
+    assert (bits < 0).float().mean().item() > 0.45  # half the patterns have the top bit set
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, 0, 1.0), (1.3, 4, 1.0), (1.0, 0, 0.8), (0.8, 6, 0.9)])

@@ -8,9 +8,11 @@ depends only on its own logits, parameters, seed and position: never on its slot
 The whole 64-bit seed keys the stream: its low and high 32-bit halves go through two hash lanes
 that each stay a bijection of their half at every position, so two seeds that differ in any bit
 never share a key (users' seeds are in [0, 2**63); `config.choice_seed` derives the streams of
-extra choices in the negative half). Integer hashing stays in int64 with every value < 2**33 and
-every multiplier < 2**27, so no product reaches 2**63: eager torch and the traced program agree
-bit-for-bit. Thunder's TensorProxy has no `%` operator; masking with `&` avoids it.
+extra choices in the negative half). The per-row and per-token keys are hashed in int64 with every
+value < 2**33 and every multiplier < 2**27, so no product reaches 2**63; the [B, V] part, where the
+memory traffic is, in int32 holding the same 32 bits (sums and products wrap modulo 2**32 as the int64
+masks do: `tests/test_sampler.py` checks the bits against the int64 form). Eager torch and the traced
+program agree bit-for-bit. Thunder's TensorProxy has no `%` operator; masking with `&` avoids it.
 """
 
 from __future__ import annotations
@@ -34,21 +36,34 @@ def mix32(x: Tensor) -> Tensor:
     return (x >> 16) ^ x
 
 
+def mix32_bits(x: Tensor) -> Tensor:
+    """mix32 on int32 tensors that hold the 32 bits (two's complement): the same bits at half the
+    memory traffic of int64, for the [B, V] part. Products wrap modulo 2**32 (the int64 form's masks);
+    right shifts are made logical by masking the sign's copies."""
+    x = ((x >> 16) & 0xFFFF) ^ x
+    x = x * _MULT
+    x = ((x >> 16) & 0xFFFF) ^ x
+    x = x * _MULT
+    return ((x >> 16) & 0xFFFF) ^ x
+
+
 def random_bits(seed: Tensor, position: Tensor, vocab_size: int) -> Tensor:
-    """32 random bits per (row, vocab index), keyed by the row's (seed, position) only.
-    seed: [B] any int64 (all 64 bits count); position: [B] int64 >= 0."""
+    """32 random bits per (row, vocab index) as int32 (two's complement), keyed by the row's (seed,
+    position) only. seed: [B] any int64 (all 64 bits count); position: [B] int64 >= 0."""
     pos = (position + _POS_OFFSET) & _MASK32  # [B]
     # Two lanes, each a bijection of its seed half for a given position: distinct seeds, distinct keys.
     low = mix32(mix32(((seed & _MASK32) + _SEED_OFFSET) & _MASK32) ^ pos)  # [B]
     high = mix32(mix32((((seed >> 32) & _MASK32) + _SEED_HI_OFFSET) & _MASK32) ^ mix32(pos))  # [B]
     vocab = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)  # [V]
     vocab = mix32(vocab + _VOCAB_OFFSET)  # [V]
-    return mix32(((low[:, None] ^ vocab[None, :]) + high[:, None]) & _MASK32)  # [B, V]
+    low, high, vocab = (t.to(torch.int32) for t in (low, high, vocab))  # the same 32 bits
+    return mix32_bits((low[:, None] ^ vocab[None, :]) + high[:, None])  # [B, V]: the sum wraps as & _MASK32 did
 
 
 def bits_to_uniform(bits: Tensor) -> Tensor:
-    """Top 23 bits -> float32 strictly inside (0, 1): (k + 0.5) / 2**23 is exact in float32."""
-    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 2**23)  # [B, V]
+    """Top 23 of 32 bits (int32 as `random_bits` gives them, or int64 in [0, 2**32)) -> float32
+    strictly inside (0, 1): (k + 0.5) / 2**23 is exact in float32."""
+    return (((bits >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * (1.0 / 2**23)  # [B, V]
 
 
 def gumbel_noise(seed: Tensor, position: Tensor, vocab_size: int) -> Tensor:
