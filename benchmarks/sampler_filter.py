@@ -127,8 +127,7 @@ def timed(fn, *args, reps: int) -> float:
 def bench(batches: list[int], vocab: int, reps: int, jit=None) -> None:
     """min ms per call: the sort filter, the candidate, and the whole sampler with and without its sort."""
     print(
-        "\n| B | mode | sort filter ms | bisect ms | bisect/sort | sample ms | unsorted sample ms "
-        "| unsorted/sample |"
+        "\n| B | mode | sort filter ms | bisect ms | bisect/sort | sample ms | unsorted sample ms | unsorted/sample |"
     )
     print("|---" * 8 + "|")
     for b in batches:
