@@ -181,6 +181,8 @@ def test_seeded_sampling_is_independent_of_slot_and_batchmates(compile):
     alone = engine.generate([prompt], params)[0].token_ids
     crowd = mixed_prompts(5, [2, 9, 17])
     others = [SamplingParams(max_new_tokens=5 + i, temperature=0.7, seed=i) for i in range(5)]
+    # Admitted when the first slot frees and still running when `prompt` joins: those steps sort, alone's do not.
+    others[4] = SamplingParams(max_new_tokens=20, temperature=0.7, top_p=0.8, seed=4)
     batch = engine.generate(crowd + [prompt], others + [params])[-1].token_ids
     assert alone == batch
     other_seed = engine.generate([prompt], SamplingParams(**{**_kw(params), "seed": 99}))[0]
