@@ -39,12 +39,12 @@ def test_a_fresh_process_builds_past_a_stale_baton_and_a_cut_short_source(tmp_pa
 @pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
 @pytest.mark.parametrize(
     "rows,out_features,bias",
-    [(1, 48, True), (5, 37, False), (6, 40, False), (16, 16, True), (7, 1000, True), (11, 1000, False)]
-    + [(130, 40, False), (520, 40, True)],
+    [(1, 48, True), (3, 40, True), (5, 37, False), (6, 40, False), (16, 16, True), (7, 1000, True)]
+    + [(11, 1000, False), (13, 1000, False), (130, 40, False), (520, 40, True)],
 )
 def test_packed_linear_matches_torch(rows, out_features, bias):
-    """Every tile of rows and blocks, a partial last block, several L2 groups of blocks (AVX2: passes of
-    6, 5, 4 + 3, 6 + 5, ... rows)."""
+    """Every tile of rows and blocks, a partial last block, several L2 groups of blocks (AVX-512: passes of
+    1-8, 8 + 3, 8 + 5, 16 + ... rows; AVX2: 6, 5, 4 + 3, 6 + 5, ...)."""
     assert build.unavailable() is None
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(2, rows, 64, generator=g)  # [batch, rows, in]
@@ -94,7 +94,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, in_features)
     )
     packed = pack(w)
     alone = torch.cat([linear(x[i : i + 1], packed, None, 200) for i in range(len(x))])
-    for rows in (2, 8, 17, 33, 71):
+    for rows in (2, 6, 8, 13, 17, 33, 71):
         assert torch.equal(linear(x[:rows], packed, None, 200), alone[:rows]), rows
 
 

@@ -55,9 +55,26 @@ AVX512 void tiles(const float* x, int64_t I, const float* packed, int64_t blk0, 
   for (; blk < blk1; ++blk) tile<R, 1>(x, I, packed, blk, m0, y, O);
 }
 
+// One pass of R <= 8 rows x NB blocks (at most 24 of the 32 registers hold accumulators). A pass reads its
+// group of weights from L2 again: rows split into passes of 4, 2, 1 ran 6 rows at 19.5 GB/s against 25.5
+// at 4 rows, 23 in one 6 x 4 pass (RESULTS.md).
+AVX512 void pass(int64_t R, const float* x, int64_t I, const float* packed, int64_t g0, int64_t g1, int64_t m0,
+                 float* y, int64_t O) {
+  switch (R) {
+    case 8: return tiles<8, 3>(x, I, packed, g0, g1, m0, y, O);
+    case 7: return tiles<7, 3>(x, I, packed, g0, g1, m0, y, O);
+    case 6: return tiles<6, 4>(x, I, packed, g0, g1, m0, y, O);
+    case 5: return tiles<5, 4>(x, I, packed, g0, g1, m0, y, O);
+    case 4: return tiles<4, 4>(x, I, packed, g0, g1, m0, y, O);
+    case 3: return tiles<3, 4>(x, I, packed, g0, g1, m0, y, O);
+    case 2: return tiles<2, 2>(x, I, packed, g0, g1, m0, y, O);
+    default: return tiles<1, 4>(x, I, packed, g0, g1, m0, y, O);
+  }
+}
+
 // Every row against each L2 group of blocks (256 KiB of weights, read from memory once), in passes of 16
-// rows x 1 block, 8 x 3, 4 x 4, 2 x 2, 1 x 4 (at most 24 of the 32 registers hold accumulators): measured
-// best on a 2-core AVX-512 Xeon at 1-64 rows (benchmarks/RESULTS.md).
+// rows x 1 block, 8 x 3, then one pass of the rest: measured best on a 2-core AVX-512 Xeon at 1-64 rows
+// (benchmarks/RESULTS.md).
 AVX512 void rows(const float* x, int64_t M, int64_t I, const float* packed, int64_t blk0, int64_t blk1, float* y,
                  int64_t O) {
   const int64_t group = l2_group(I, sizeof(float), 256 << 10);
@@ -66,9 +83,7 @@ AVX512 void rows(const float* x, int64_t M, int64_t I, const float* packed, int6
     int64_t m = 0;
     for (; m + 16 <= M; m += 16) tiles<16, 1>(x, I, packed, g0, g1, m, y, O);
     for (; m + 8 <= M; m += 8) tiles<8, 3>(x, I, packed, g0, g1, m, y, O);
-    for (; m + 4 <= M; m += 4) tiles<4, 4>(x, I, packed, g0, g1, m, y, O);
-    for (; m + 2 <= M; m += 2) tiles<2, 2>(x, I, packed, g0, g1, m, y, O);
-    for (; m < M; ++m) tiles<1, 4>(x, I, packed, g0, g1, m, y, O);
+    if (m < M) pass(M - m, x, I, packed, g0, g1, m, y, O);
   }
 }
 
