@@ -53,13 +53,32 @@ void tiles_bf16(const bf16* x, int64_t I, const bf16* packed, const float* bias,
   for (; blk < blk1; ++blk) tile_bf16<R, 1>(x, I, packed, bias, blk, m0, y, O);
 }
 
+// One pass of the R <= 7 rows left after the 8-row passes (a pass per 4, 2, 1 rows read the weights again).
+void pass_bf16(int64_t R, const bf16* x, int64_t I, const bf16* packed, const float* bias, int64_t g0, int64_t g1,
+               int64_t m0, bf16* y, int64_t O) {
+  switch (R) {
+    case 7: return tiles_bf16<7, 3>(x, I, packed, bias, g0, g1, m0, y, O);
+    case 6: return tiles_bf16<6, 3>(x, I, packed, bias, g0, g1, m0, y, O);
+    case 5: return tiles_bf16<5, 3>(x, I, packed, bias, g0, g1, m0, y, O);
+    case 4: return tiles_bf16<4, 4>(x, I, packed, bias, g0, g1, m0, y, O);
+    case 3: return tiles_bf16<3, 4>(x, I, packed, bias, g0, g1, m0, y, O);
+    case 2: return tiles_bf16<2, 2>(x, I, packed, bias, g0, g1, m0, y, O);
+    default: return tiles_bf16<1, 4>(x, I, packed, bias, g0, g1, m0, y, O);
+  }
+}
+
+// Per group of blocks whose weights stay in L2 (256 KiB, read from memory once), 8 rows x 3 blocks at a
+// time, then the rest in one pass. Measured on a Xeon with AMX switched off, against 8 x 2 passes over all
+// the thread's blocks, then 4 x 4, 2 x 2, 1 x 4: 3 rows 1.34x, 5-8 rows 1.1-1.2x, 12-16 rows 1.3x faster.
 void rows_bf16(const bf16* x, int64_t M, int64_t I, const bf16* packed, const float* bias, int64_t blk0,
                int64_t blk1, bf16* y, int64_t O) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) tiles_bf16<8, 2>(x, I, packed, bias, blk0, blk1, m, y, O);
-  for (; m + 4 <= M; m += 4) tiles_bf16<4, 4>(x, I, packed, bias, blk0, blk1, m, y, O);
-  for (; m + 2 <= M; m += 2) tiles_bf16<2, 2>(x, I, packed, bias, blk0, blk1, m, y, O);
-  for (; m < M; ++m) tiles_bf16<1, 4>(x, I, packed, bias, blk0, blk1, m, y, O);
+  const int64_t group = l2_group(I, sizeof(bf16), 256 << 10);
+  for (int64_t g0 = blk0; g0 < blk1; g0 += group) {
+    const int64_t g1 = std::min(blk1, g0 + group);
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) tiles_bf16<8, 3>(x, I, packed, bias, g0, g1, m, y, O);
+    if (m < M) pass_bf16(M - m, x, I, packed, bias, g0, g1, m, y, O);
+  }
 }
 
 // AVX2 + FMA, same packed layout: a 32-byte load holds 8 outputs' weight pairs; shifted and masked,
