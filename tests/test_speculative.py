@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch.bench.speculative import ceiling_speedup, makespan, steps_if_every_draft_checked
 from thunder_batch.config import ParamError, StepShape
 from thunder_batch.drafts import (
     GATE_MIN_STEPS,
@@ -54,6 +55,19 @@ def test_accepted_tokens_are_the_drafts_that_match_samples_then_one_sample():
     assert accepted_tokens([4, 5, 6], [4, 9, 6, 7]) == [4, 9]  # 5 rejected: the sample there instead
     assert accepted_tokens([4, 5, 6], [8, 5, 6, 7]) == [8]  # none stood: what plain decoding gives
     assert accepted_tokens([], [3]) == [3]
+
+
+def test_the_drafts_ceiling_counts_the_steps_if_every_draft_were_checked():
+    prompt, output = [7, 1, 2, 3, 4, 5, 8, 1, 2], [3, 4, 5, 9, 1, 2, 3]
+    # [1, 2] ends the prompt: draft [3, 4, 5, 8], 3 stand (4 tokens); no draft after [5, 9] nor [9, 1];
+    # after [1, 2] again the draft would stand, but the output's last token is a step's own sample.
+    assert steps_if_every_draft_checked(prompt, output, 4, 2, 3) == 4
+    assert steps_if_every_draft_checked(prompt, output, 2, 2, 3) == 5  # [3, 4] stand, then one token a step
+    assert steps_if_every_draft_checked(prompt, output, 0, 2, 3) == 7
+    assert makespan([7, 3, 2, 4], 2) == 9  # slot 0: 7; slot 1: 3, 2, 4
+    # B=1: 14 steps -> 4 + 7; B=2: the unhelped request bounds it (7 steps either way)
+    assert ceiling_speedup([prompt, [5]], [output, list(range(7))], 4, 2, 3, 1) == 14 / 11
+    assert ceiling_speedup([prompt, [5]], [output, list(range(7))], 4, 2, 3, 2) == 1.0
 
 
 def measured(gate: DraftGate, plain: float, verify: dict[int, float]) -> DraftGate:

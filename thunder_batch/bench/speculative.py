@@ -1,9 +1,12 @@
 """`thunder-batch bench --speculative_tokens 0,4,8`: the same requests through one engine per
 (system, batch size, k), greedy; per run the decode rate, tokens per decode step, the drafts'
-acceptance rate, and whether every request's tokens equal those of k = 0 (speculative decoding is exact)."""
+acceptance rate, whether every request's tokens equal those of k = 0 (speculative decoding is exact), and
+the drafts' ceiling: the decode speedup if every draft were checked at no cost (k = 0's tokens against
+prompt lookup's drafts), the most any gate or verify kernel could give on these requests."""
 
 from __future__ import annotations
 
+import heapq
 import json
 import sys
 import time
@@ -15,6 +18,39 @@ def parse_ks(text) -> list[int]:
     if not ks or ks[0] < 0:
         raise ValueError(f"speculative_tokens must be a comma list of ints >= 0, got {text!r}")
     return ks if ks[0] == 0 else [0, *ks]
+
+
+def steps_if_every_draft_checked(prompt, output: list[int], k: int, ngram_min: int, ngram_max: int) -> int:
+    """Decode steps of a request whose tokens are `output` (plain decoding's) if each step checked the
+    draft prompt lookup proposes from what the request holds: each gives its accepted drafts and one token."""
+    from thunder_batch.drafts import prompt_lookup
+
+    done = steps = 0
+    while done < len(output):
+        draft = prompt_lookup(list(prompt) + output[:done], k, ngram_min, ngram_max) if k else []
+        room = min(len(draft), len(output) - done - 1)  # the last token is always a step's own sample
+        accepted = 0
+        while accepted < room and draft[accepted] == output[done + accepted]:
+            accepted += 1
+        done, steps = done + accepted + 1, steps + 1
+    return steps
+
+
+def makespan(steps: list[int], batch_size: int) -> int:
+    """Decode steps until the last request ends, each taking the first free of `batch_size` slots in order."""
+    free = [0] * batch_size  # the step at which each slot is next free
+    for n in steps:
+        heapq.heapreplace(free, free[0] + n)
+    return max(free)
+
+
+def ceiling_speedup(prompts, outputs, k: int, ngram_min: int, ngram_max: int, batch_size: int) -> float:
+    """The drafts' ceiling: decode steps of k = 0 over those with every draft checked, B slots taking the
+    requests in order: the most speculative decoding can speed up decoding on these requests with
+    these drafts, were verify steps free (at B > 1 the request with the fewest accepted drafts bounds it)."""
+    plain = [len(output) for output in outputs]
+    checked = [steps_if_every_draft_checked(p, o, k, ngram_min, ngram_max) for p, o in zip(prompts, outputs)]
+    return makespan(plain, batch_size) / makespan(checked, batch_size)
 
 
 def is_decode_step(engine) -> bool:
@@ -78,7 +114,10 @@ def run_speculative_bench(
                 run = run_once(engine, workload, opts["ignore_eos"])
                 spec = engine.stats().get("speculative", {})
                 baseline = baseline or run
-                rows.append(_row(name, batch_size, k, run, spec, baseline))
+                prompts = [r.prompt_ids for r in workload]
+                ngrams = (config.speculative_ngram_min, config.speculative_ngram_max)
+                ceiling = ceiling_speedup(prompts, baseline["tokens"], k, *ngrams, batch_size)
+                rows.append(_row(name, batch_size, k, run, spec, baseline) | dict(ceiling_speedup=round(ceiling, 3)))
                 print(f"[speculative bench] {json.dumps(rows[-1])}", file=sys.stderr)
                 del engine
     return rows
