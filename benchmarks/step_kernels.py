@@ -80,8 +80,9 @@ def decode_engine(gpt, system: str, batch_size: int, max_seq_length: int, cache_
 
 SPLIT = {  # part of the step -> profiler event names (substrings) of its top-level ops
     "linears": (*LINEAR_OPS, "aten::linear"),
-    # thunder_batch::decode_attention, and decode_rows_attention: a decode-only step's with its KV writes
-    "attention": ("scaled_dot_product_attention", "thunder_batch::decode_"),
+    # thunder_batch::decode_attention; decode_rows_attention (a decode-only step's) and slot_rows_attention
+    # (a verify step's), with their KV writes
+    "attention": ("scaled_dot_product_attention", "thunder_batch::decode_", "thunder_batch::slot_rows_"),
     "kv_write": ("aten::index_copy_", "aten::copy_"),
     "fused": ("CompiledFxGraph", "AOTDispatcher"),
 }

@@ -201,6 +201,43 @@ def test_decode_rows_attention_writes_and_attends_as_the_models_ops(dtype, H, G,
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_rows_attention_writes_and_attends_as_the_models_ops(dtype):
+    """A verify step's one-op attention (native) against the model's ops: 3 decode rows, then a lane of 4
+    rows of slot 1 at positions 6-9, each seeing its slot's entries up to its own position (the lane's
+    earlier rows written in the same call): the same writes bit for bit, the same attention as the native
+    kernel over each row's copied slot entries, and float64's within rounding."""
+    from thunder_batch.compile.attention import slot_rows_attention as one_op
+    from thunder_batch.compile.project_executor import ProjectKernelsMode
+    from thunder_batch.index_ops import flat_rows
+    from thunder_batch.model import slot_rows_attention as model_ops
+
+    H, G, D, B, S, L = 9, 3, 64, 3, 24, 16
+    g = torch.Generator().manual_seed(2)
+    caches = torch.randn(2, B, G, S, D, generator=g).to(dtype)
+    N = B + 4
+    qkv = torch.randn(N, (H + 2 * G) * D, generator=g).to(dtype)
+    q, k, v = qkv.split((H * D, G * D, G * D), dim=-1)
+    q, k, v = q.reshape(N, H, D), k.view(N, G, D), v.view(N, G, D)
+    row_slot = torch.tensor([0, 1, 2, 1, 1, 1, 1])
+    pos = torch.tensor([3, S - 2, 12, 6, 7, 8, 9])  # slot 1's decode row: a pad at a scratch position (>= L)
+    rows = flat_rows(caches[0].shape, 2, row_slot, pos)
+    mask = torch.where(torch.arange(L) <= pos.view(N, 1, 1, 1), 0.0, torch.finfo(dtype).min).to(dtype)
+    mine, theirs = caches.clone(), caches.clone()
+    got = one_op(q, k, v, mine[0], mine[1], rows, row_slot, mask, 0.125)
+    with ProjectKernelsMode():
+        want = model_ops(q, k, v, theirs[0], theirs[1], rows, row_slot, mask, 0.125)
+    assert torch.equal(mine, theirs)
+    assert mine[0, 1, :, 8].equal(k[5]) and mine[1, 2, :, 12].equal(v[2])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    exact = model_ops(
+        q.double(), k.double(), v.double(), *caches.double().clone(), rows, row_slot, mask.double(), 0.125
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
 def test_float32_linears_are_claimed_up_to_the_rows_where_the_kernel_is_the_faster():
     """AVX-512: up to PACKED_ROWS[float32] rows (torch's GEMM above); AVX2 only: every row count."""
     import math

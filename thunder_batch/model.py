@@ -128,8 +128,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config) -> torc
     return torch.cat((rotate(x[..., :n_elem], cos, sin), x[..., n_elem:]), dim=-1)
 
 
-def attention_forward(attn, cache, x, shared: StepShared, kind: int, lane_len: int) -> torch.Tensor:
-    """litgpt CausalSelfAttention over a step's rows with its slot KV cache. x: [N, C] -> [N, C]."""
+def attention_forward(attn, cache, x, shared: StepShared, kind: int, lane_len: int, verify: bool = False):
+    """litgpt CausalSelfAttention over a step's rows with its slot KV cache. x: [N, C] -> [N, C]. verify:
+    the lanes are verify lanes (speculative decoding: few rows, each attending as a decode row does)."""
     cfg = attn.config
     N = x.shape[0]
     H, G, D = cfg.n_head, cfg.n_query_groups, cfg.head_size
@@ -143,8 +144,41 @@ def attention_forward(attn, cache, x, shared: StepShared, kind: int, lane_len: i
     if N == cache.k.shape[0] and x.device.type == "cpu" and cfg.attention_logit_softcapping is None:
         mask = shared.decode_mask[kind]  # a decode-only step: one call (the project's executor: one op)
         return attn.proj(decode_rows_attention(q, k, v, cache.k, cache.v, shared.kv_rows, mask, attention_scale(cfg)))
+    if verify and x.device.type == "cpu" and cfg.attention_logit_softcapping is None:
+        row_slot, mask = verify_rows(shared, kind, lane_len)  # the project's executor: one op
+        y = slot_rows_attention(q, k, v, cache.k, cache.v, shared.kv_rows, row_slot, mask, attention_scale(cfg))
+        return attn.proj(y)
     cache_k, cache_v = cache(shared.kv_rows, k, v)  # [B, G, S + 1 + C, D]
     return attn.proj(slot_attention(q, cache_k, cache_v, shared, kind, lane_len, cfg))
+
+
+def verify_rows(shared: StepShared, kind: int, lane_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's slot [N] and own mask [N, 1, 1, L] in a step of decode rows and verify lanes: a lane's
+    token t is row t of head 0 in its folded mask."""
+    B, L = shared.decode_mask.shape[1], shared.decode_mask.shape[-1]
+    P = shared.lane_slot.shape[0]
+    lanes = shared.lane_mask[kind][:, 0, :lane_len]  # [P, C, L]
+    mask = torch.cat((shared.decode_mask[kind].reshape(B, L), lanes.reshape(P * lane_len, L))).view(-1, 1, 1, L)
+    decode_slots = torch.arange(B, device=shared.lane_slot.device)
+    row_slot = torch.cat((decode_slots, shared.lane_slot.view(P, 1).expand(P, lane_len).reshape(P * lane_len)))
+    return row_slot, mask
+
+
+def slot_rows_attention(q, k, v, cache_k, cache_v, rows, row_slot, mask, scale: float) -> torch.Tensor:
+    """A verify step's attention, KV writes included: every row writes its k, v at the flat `rows`, then
+    attends over its own slot's first L entries with its own mask row, as a decode row does (a verify
+    lane's tokens are rows of one slot at consecutive positions). q: [N, H, D]; k, v: [N, G, D]; cache_k,
+    cache_v: [B, G, S', D]; rows: [N * G]; row_slot: [N]; mask: [N, 1, 1, L] -> [N, H * D]. On CPU the
+    project's executor runs it as one native op reading the caches in place; these ops copy each row's
+    slot entries (the oracle's way)."""
+    index_copy_flat(cache_k, 2, rows, k)
+    index_copy_flat(cache_v, 2, rows, v)
+    N, H, D = q.shape
+    G, L = cache_k.shape[1], mask.shape[-1]
+    keys = cache_k[:, :, :L].index_select(0, row_slot)  # [N, G, L, D]
+    values = cache_v[:, :, :L].index_select(0, row_slot)
+    y = F.scaled_dot_product_attention(q.reshape(N, G, H // G, D), keys, values, attn_mask=mask, scale=scale)
+    return y.reshape(N, H * D)
 
 
 def decode_rows_attention(q, k, v, cache_k, cache_v, rows, mask, scale: float) -> torch.Tensor:
@@ -177,13 +211,13 @@ def slot_attention(q, cache_k, cache_v, shared: StepShared, kind: int, lane_len:
     return torch.cat((decode.view(B, H * D), lanes.reshape(P * lane_len, H * D)))
 
 
-def block_forward(block, cache, x, shared: StepShared, lane_len: int, mlp=None) -> torch.Tensor:
+def block_forward(block, cache, x, shared: StepShared, lane_len: int, mlp=None, verify: bool = False) -> torch.Tensor:
     """litgpt Block.forward (both residual layouts) with our attention. x: [N, C]; shared.cos/sin: the
     layer's own; mlp: what runs in place of block.mlp on [N, C] rows (an MoE layer's StackedExperts)."""
     cfg = block.config
     kind = 1 if block.attn.apply_sliding_window_attention else 0
     x_normed = block.norm_1(x)
-    attention = attention_forward(block.attn, cache, x_normed, shared, kind, lane_len)
+    attention = attention_forward(block.attn, cache, x_normed, shared, kind, lane_len, verify)
     attention_output = block.post_attention_norm(attention)
     if cfg.parallel_residual:
         if not cfg.shared_attention_norm:

@@ -48,15 +48,16 @@ class StepPrefix(nn.Module):
 
 
 class BlockStep(nn.Module):
-    """One transformer block with its own slot KV cache. x: [N, C] -> [N, C]; lanes of `lane_len` rows.
+    """One transformer block with its own slot KV cache. x: [N, C] -> [N, C]; lanes of `lane_len` rows
+    (verify: verify lanes, speculative decoding).
 
     `rope_table` (Gemma-3: which RoPE table the layer reads) and `experts` (an MoE layer's stacked
     experts) are the block's own attributes, so Thunder checks them: layers differing in them never
     share a trace (litgpt's block_idx, which they follow from, is learned not to matter)."""
 
-    def __init__(self, block: nn.Module, cache: SlotKVCache, lane_len: int) -> None:
+    def __init__(self, block: nn.Module, cache: SlotKVCache, lane_len: int, verify: bool = False) -> None:
         super().__init__()
-        self.block, self.cache, self.lane_len = block, cache, lane_len
+        self.block, self.cache, self.lane_len, self.verify = block, cache, lane_len, verify
         self.rope_table = rope_table(block.config, block.attn.block_idx)
         self.experts = fixed_shape_mlp(block)
 
@@ -64,7 +65,7 @@ class BlockStep(nn.Module):
         # Argument names stay clear of the names Thunder's prologue gives submodules (m1, m2, ...).
         cos, sin = layer_rope(cos, sin, self.rope_table)  # [N, 1, n_elem]: this layer's table
         shared = StepShared(cos, sin, kv_rows, decode_mask, lane_slot, lane_mask)
-        return block_forward(self.block, self.cache, x, shared, self.lane_len, self.experts)
+        return block_forward(self.block, self.cache, x, shared, self.lane_len, self.experts, self.verify)
 
 
 HEADS = ("filtered", "unsorted", "greedy")  # the samplers; each head variant is one of them
@@ -175,7 +176,8 @@ class StepProgram(nn.Module):
         cache_shape = self.caches[0].k.shape
         self.prefix = StepPrefix(gpt, max_seq_length, cache_shape, lane_len)
         self.blocks = nn.ModuleList(
-            BlockStep(block, cache, lane_len) for block, cache in zip(gpt.transformer.h, self.caches)
+            BlockStep(block, cache, lane_len, verify=verify_of is not None)
+            for block, cache in zip(gpt.transformer.h, self.caches)
         )
 
     def forward(

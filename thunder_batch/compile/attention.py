@@ -5,7 +5,8 @@ rows; torch's CPU flash kernel costs 1.3-2x that at these shapes, benchmarks/RES
 lanes (many query rows, a mask per row) stay with torch's.
 
 A decode-only step's whole attention, KV writes included (`model.decode_rows_attention`), is one operator
-of the executor: the native `decode_rows_attention` where this kernel runs, the model's own ops elsewhere.
+of the executor: the native `decode_rows_attention` where this kernel runs, the model's own ops elsewhere;
+so is a verify step's (`model.slot_rows_attention`: each row over its own slot's cache and mask row).
 Traced op by op it was ~25 host calls per layer (writes, views, attention), each paying caches the
 linears' weight stream left cold. Its cache writes are hidden from Thunder's functional trace:
 `WRITES_IN_PLACE` names them for the passes that look for in-place writes.
@@ -22,7 +23,9 @@ from thunder_batch.native import build
 
 ATTENTION = "thunder_batch_decode_attention"
 ROWS_ATTENTION = "thunder_batch_decode_rows_attention"
-WRITES_IN_PLACE = {ROWS_ATTENTION: (3, 4)}  # operator -> the arguments it writes in place (the caches)
+SLOT_ROWS_ATTENTION = "thunder_batch_slot_rows_attention"
+# operator -> the arguments it writes in place (the caches)
+WRITES_IN_PLACE = {ROWS_ATTENTION: (3, 4), SLOT_ROWS_ATTENTION: (3, 4)}
 MAX_QUERIES = 16  # query rows per (slot, group): the kernel keeps them in registers and on its stack
 MAX_HEAD_SIZE = 256
 
@@ -39,6 +42,12 @@ def register(executor) -> None:
 
         executor.register_operator(
             ROWS_ATTENTION, meta=_rows_meta, fn=decode_rows_attention, replaces=model.decode_rows_attention
+        )
+    if SLOT_ROWS_ATTENTION not in executor.opmap:
+        from thunder_batch import model
+
+        executor.register_operator(
+            SLOT_ROWS_ATTENTION, meta=_slot_rows_meta, fn=slot_rows_attention, replaces=model.slot_rows_attention
         )
 
 
@@ -84,6 +93,19 @@ def decode_rows_attention(q, k, v, cache_k, cache_v, rows, mask, scale: float) -
     return model.decode_rows_attention(q, k, v, cache_k, cache_v, rows, mask, scale)
 
 
+def slot_rows_attention(q, k, v, cache_k, cache_v, rows, row_slot, mask, scale: float) -> torch.Tensor:
+    """`model.slot_rows_attention` (a verify step's: each row over its own slot's cache) as one native op
+    where the kernel takes it (reading the caches in place), else as the model writes it."""
+    N, H, D = q.shape
+    G = cache_k.shape[1]
+    key = (q.device.type, q.dtype, cache_k.dtype, mask.dtype, H, G, D, k.stride(-1), v.stride(-1), mask.stride(-1))
+    if _native_rows(*key) and cache_k.is_contiguous() and cache_v.is_contiguous():
+        return build.slot_rows_attention(q.contiguous(), k, v, cache_k, cache_v, rows, row_slot, mask, scale)
+    from thunder_batch import model
+
+    return model.slot_rows_attention(q, k, v, cache_k, cache_v, rows, row_slot, mask, scale)
+
+
 @functools.cache
 def _native_rows(device_type, q_dtype, cache_dtype, mask_dtype, H, G, D, k_step, v_step, mask_step) -> bool:
     """Whether the native op takes a call of this kind (rows of k, v and the mask contiguous, as `claims_attention`)."""
@@ -114,6 +136,10 @@ def _rows_meta(q, k, v, cache_k, cache_v, rows, mask, scale):
     from thunder.core.proxies import TensorProxy
 
     return TensorProxy(like=q, shape=(q.shape[0], q.shape[1] * q.shape[2]))
+
+
+def _slot_rows_meta(q, k, v, cache_k, cache_v, rows, row_slot, mask, scale):
+    return _rows_meta(q, k, v, cache_k, cache_v, rows, mask, scale)
 
 
 def _meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):

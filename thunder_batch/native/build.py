@@ -155,3 +155,9 @@ def decode_rows_attention(q, k, v, cache_k, cache_v, rows, mask, scale: float) -
     caches [B, G, S', D] at flat `rows` [B * G], then `decode_attention` of q [B, H, D] over the first L
     entries (mask [B, 1, 1, L]) -> [B, H * D]."""
     return torch.ops.thunder_batch.decode_rows_attention.default(q, k, v, cache_k, cache_v, rows, mask, scale)
+
+
+def slot_rows_attention(q, k, v, cache_k, cache_v, rows, row_slot, mask, scale: float) -> torch.Tensor:
+    """A verify step's attention with its KV writes, one call: as `decode_rows_attention` for N rows, row n
+    over slot `row_slot[n]`'s entries with its own mask row (mask [N, 1, 1, L]) -> [N, H * D]."""
+    return torch.ops.thunder_batch.slot_rows_attention.default(q, k, v, cache_k, cache_v, rows, row_slot, mask, scale)

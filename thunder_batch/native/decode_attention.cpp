@@ -8,7 +8,8 @@
 // Pairs are split across threads (torch's OpenMP pool). AVX2 + FMA; with D % 8 == 0 keys are scored four
 // at a time and values summed 8 columns x up to 4 rows in registers (1.4-1.8x the one-dot-at-a-time loop,
 // benchmarks/RESULTS.md), other head sizes one key at a time. `decode_rows_attention` is a decode-only
-// step's whole attention in one call: the step's K and V rows written into the caches, then this kernel.
+// step's whole attention in one call: the step's K and V rows written into the caches, then this kernel;
+// `slot_rows_attention` a verify step's, each row over its own slot's cache with its own mask row.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -183,13 +184,15 @@ struct Shape {
   int64_t B, G, Q, D, L, kv_slot, kv_group, kv_entry, mask_stride;
 };
 
+// slot_of: the cache slot query row-set b reads (null: slot b).
 template <typename T>
-void run(const T* qp, const T* kp, const T* vp, const T* mp, const Shape& s, double scale, T* op) {
+void run(const T* qp, const T* kp, const T* vp, const T* mp, const Shape& s, double scale, T* op,
+         const int64_t* slot_of) {
   at::parallel_for(0, s.B * s.G, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> scores(s.Q * s.L);
     std::vector<int64_t> live(s.L);
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = p / s.G, g = p % s.G, at = b * s.kv_slot + g * s.kv_group;
+      const int64_t b = p / s.G, g = p % s.G, at = (slot_of ? slot_of[b] : b) * s.kv_slot + g * s.kv_group;
       attend<T>(qp + p * s.Q * s.D, kp + at, vp + at, mp + b * s.mask_stride, s.Q, s.L, s.D, s.kv_entry, float(scale),
                 scores.data(), live.data(), op + p * s.Q * s.D);
     }
@@ -198,13 +201,13 @@ void run(const T* qp, const T* kp, const T* vp, const T* mp, const Shape& s, dou
 
 // The kernel for q's dtype (float32 or bfloat16; the callers checked that every tensor has it).
 void run_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, const Shape& s,
-               double scale, at::Tensor& out) {
+               double scale, at::Tensor& out, const int64_t* slot_of = nullptr) {
   if (q.scalar_type() == at::kFloat)
     run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<float>(), s, scale,
-               out.data_ptr<float>());
+               out.data_ptr<float>(), slot_of);
   else if (q.scalar_type() == at::kBFloat16)
     run<at::BFloat16>(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(),
-                      mask.data_ptr<at::BFloat16>(), s, scale, out.data_ptr<at::BFloat16>());
+                      mask.data_ptr<at::BFloat16>(), s, scale, out.data_ptr<at::BFloat16>(), slot_of);
   else
     TORCH_CHECK(false, "decode_attention: float32 or bfloat16");
 }
@@ -235,39 +238,59 @@ void write_rows(at::Tensor& cache, const at::Tensor& rows, const at::Tensor& val
   for (int64_t n = 0; n < N; ++n)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t row = rp[n * G + g];
-      TORCH_CHECK(row >= 0 && row < entries, "decode_rows_attention: cache row ", row, " out of range");
+      TORCH_CHECK(row >= 0 && row < entries, "rows attention: cache row ", row, " out of range");
       std::memcpy(dst + row * bytes, src + (n * val.stride(0) + g * val.stride(1)) * cache.element_size(), bytes);
     }
 }
 
-// A decode-only step's attention in one call: each row's k, v written into its slot's cache entries `rows`
-// (flat_rows of [B, G, S', D]), then decode_attention over every slot's first L entries. q: [B, H, D];
-// k, v: [B, G, D]; cache_k, cache_v: [B, G, S', D] contiguous; rows: [B * G]; mask [B, 1, 1, L] -> [B, H * D].
-at::Tensor decode_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
-                                 at::Tensor cache_v, const at::Tensor& rows, const at::Tensor& mask, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && cache_k.dim() == 4, "decode_rows_attention: q, k, v 3-D, caches 4-D");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = cache_k.size(1), L = mask.size(-1);
+// Each of N rows writes its k, v into the caches at `rows` (flat_rows of [B, G, S', D]), then attends over
+// the first L entries of slot slot_of[n] (null: slot n) with its own mask row. q: [N, H, D]; k, v: [N, G, D];
+// cache_k, cache_v: [B, G, S', D] contiguous; rows: [N * G]; mask [N, 1, 1, L] -> [N, H * D].
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& cache_k,
+                       at::Tensor& cache_v, const at::Tensor& rows, const int64_t* slot_of, const at::Tensor& mask,
+                       double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && cache_k.dim() == 4, "rows attention: q, k, v 3-D, caches 4-D");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), G = cache_k.size(1), L = mask.size(-1);
   TORCH_CHECK(cache_k.sizes() == cache_v.sizes() && cache_k.is_contiguous() && cache_v.is_contiguous() &&
-                  cache_k.size(0) == B && cache_k.size(3) == D && L <= cache_k.size(2),
-              "decode_rows_attention: contiguous caches [B, G, S', D] alike, L <= S'");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == G && k.size(2) == D && k.stride(2) == 1 &&
+                  cache_k.size(3) == D && L <= cache_k.size(2),
+              "rows attention: contiguous caches [B, G, S', D] alike, L <= S'");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == N && k.size(1) == G && k.size(2) == D && k.stride(2) == 1 &&
                   v.stride(2) == 1 && H % G == 0,
-              "decode_rows_attention: k, v [B, G, D] with contiguous rows");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == B * G,
-              "decode_rows_attention: rows int64 [B * G]");
-  TORCH_CHECK(q.is_contiguous() && mask.size(0) == B && mask.numel() == B * L && mask.stride(3) == 1 && D <= kMaxD &&
+              "rows attention: k, v [N, G, D] with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == N * G,
+              "rows attention: rows int64 [N * G]");
+  TORCH_CHECK(q.is_contiguous() && mask.size(0) == N && mask.numel() == N * L && mask.stride(3) == 1 && D <= kMaxD &&
                   H / G <= kMaxQ,
-              "decode_rows_attention: contiguous q, mask [B, 1, 1, L], H / G <= 16, D <= 256");
+              "rows attention: contiguous q, mask [N, 1, 1, L], H / G <= 16, D <= 256");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                   cache_k.scalar_type() == q.scalar_type() && cache_v.scalar_type() == q.scalar_type() &&
                   mask.scalar_type() == q.scalar_type(),
-              "decode_rows_attention: one dtype");
+              "rows attention: one dtype");
   write_rows(cache_k, rows, k);
   write_rows(cache_v, rows, v);
-  at::Tensor out = at::empty({B, H * D}, q.options());  // [B, G, H/G, D] as the kernel writes it
+  at::Tensor out = at::empty({N, H * D}, q.options());  // [N, G, H/G, D] as the kernel writes it
   const int64_t S = cache_k.size(2);
-  run_typed(q, cache_k, cache_v, mask, {B, G, H / G, D, L, G * S * D, S * D, D, mask.stride(0)}, scale, out);
+  run_typed(q, cache_k, cache_v, mask, {N, G, H / G, D, L, G * S * D, S * D, D, mask.stride(0)}, scale, out, slot_of);
   return out;
+}
+
+// A decode-only step's attention in one call: row b is slot b's.
+at::Tensor decode_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
+                                 at::Tensor cache_v, const at::Tensor& rows, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(cache_k.dim() == 4 && q.size(0) == cache_k.size(0), "decode_rows_attention: one row per slot");
+  return attend_rows(q, k, v, cache_k, cache_v, rows, nullptr, mask, scale);
+}
+
+// A verify step's attention in one call (speculative decoding): row n reads slot row_slot[n]'s cache.
+at::Tensor slot_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
+                               at::Tensor cache_v, const at::Tensor& rows, const at::Tensor& row_slot,
+                               const at::Tensor& mask, double scale) {
+  TORCH_CHECK(row_slot.scalar_type() == at::kLong && row_slot.is_contiguous() && row_slot.numel() == q.size(0),
+              "slot_rows_attention: row_slot int64 [N]");
+  const int64_t* slot = row_slot.data_ptr<int64_t>();
+  for (int64_t n = 0; n < row_slot.numel(); ++n)
+    TORCH_CHECK(slot[n] >= 0 && slot[n] < cache_k.size(0), "slot_rows_attention: slot ", slot[n], " out of range");
+  return attend_rows(q, k, v, cache_k, cache_v, rows, slot, mask, scale);
 }
 
 }  // namespace
@@ -277,9 +300,13 @@ TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
   m.def(
       "decode_rows_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor rows, "
       "Tensor mask, float scale) -> Tensor");
+  m.def(
+      "slot_rows_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor rows, "
+      "Tensor row_slot, Tensor mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(thunder_batch, CPU, m) {
   m.impl("decode_attention", decode_attention);
   m.impl("decode_rows_attention", decode_rows_attention);
+  m.impl("slot_rows_attention", slot_rows_attention);
 }
