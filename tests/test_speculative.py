@@ -11,6 +11,7 @@ import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.bench.speculative import ceiling_speedup, makespan, steps_if_every_draft_checked
+from thunder_batch.compile.step import execution_traces
 from thunder_batch.config import ParamError, StepShape
 from thunder_batch.drafts import (
     GATE_MIN_STEPS,
@@ -285,6 +286,10 @@ def test_thunder_makes_each_shape_once_and_matches_eager(gpt):
     stats = engine.stats()
     assert stats["speculative"]["accepted_tokens"] > 0
     assert stats["cache_misses"] == 2 and stats["thunder_traces"] == stats["traced"]
+    # On CPU a verify block's attention is the executor's one op (each row over its own slot's cache)
+    traces = [str(t) for t in execution_traces(engine.runner.verify_fn)]
+    assert any("= thunder_batch_slot_rows_attention(" in t for t in traces)
+    assert not any("scaled_dot_product_attention" in t for t in traces)
 
 
 PASSAGE = (
