@@ -292,6 +292,21 @@ def test_thunder_makes_each_shape_once_and_matches_eager(gpt):
     assert not any("scaled_dot_product_attention" in t for t in traces)
 
 
+@pytest.mark.parametrize("family,overrides", [("gemma2_window", dict(attention_logit_softcapping=None))])
+def test_thunder_verify_steps_on_sliding_window_layers_match_plain_decoding(family, overrides):
+    """A verify step's one attention op on layers that alternate sliding-window and global masks (each
+    layer picks its mask kind): greedy tokens, logprobs and alternatives those of eager k = 0."""
+    gpt = tiny_gpt(family, **overrides)
+    config = dict(batch_size=4, max_seq_length=64, prefill_chunk=8)
+    params = SamplingParams(max_new_tokens=24, logprobs=2)
+    engine = checking_every_draft(Engine(gpt, EngineConfig(compile="thunder", speculative_tokens=3, **config)))
+    spec = engine.generate(PROMPTS, params)
+    assert_same(Engine(gpt, EngineConfig(compile="eager", **config)).generate(PROMPTS, params), spec)
+    counts = engine.stats()["speculative"]
+    assert 0 < counts["accepted_tokens"] < counts["draft_tokens"]  # drafts both accepted and rejected
+    assert any("= thunder_batch_slot_rows_attention(" in str(t) for t in execution_traces(engine.runner.verify_fn))
+
+
 PASSAGE = (
     "The old lighthouse on Marrow Point was switched off in 1987, but the keepers' cottage still stands beside "
     "it. Every spring a group of volunteers repaints the door, clears the gutters and checks the small weather "
