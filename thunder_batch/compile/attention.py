@@ -83,10 +83,7 @@ def decode_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
 def decode_rows_attention(q, k, v, cache_k, cache_v, rows, mask, scale: float) -> torch.Tensor:
     """`model.decode_rows_attention` (q [B, H, D], caches [B, G, S', D]) as one native op where the kernel
     takes it, else as the model writes it."""
-    B, H, D = q.shape
-    G = cache_k.shape[1]
-    key = (q.device.type, q.dtype, cache_k.dtype, mask.dtype, H, G, D, k.stride(-1), v.stride(-1), mask.stride(-1))
-    if _native_rows(*key) and cache_k.is_contiguous() and cache_v.is_contiguous():
+    if _native_takes(q, k, v, cache_k, cache_v, mask):
         return build.decode_rows_attention(q.contiguous(), k, v, cache_k, cache_v, rows, mask, scale)
     from thunder_batch import model
 
@@ -96,14 +93,18 @@ def decode_rows_attention(q, k, v, cache_k, cache_v, rows, mask, scale: float) -
 def slot_rows_attention(q, k, v, cache_k, cache_v, rows, row_slot, mask, scale: float) -> torch.Tensor:
     """`model.slot_rows_attention` (a verify step's: each row over its own slot's cache) as one native op
     where the kernel takes it (reading the caches in place), else as the model writes it."""
-    N, H, D = q.shape
-    G = cache_k.shape[1]
-    key = (q.device.type, q.dtype, cache_k.dtype, mask.dtype, H, G, D, k.stride(-1), v.stride(-1), mask.stride(-1))
-    if _native_rows(*key) and cache_k.is_contiguous() and cache_v.is_contiguous():
+    if _native_takes(q, k, v, cache_k, cache_v, mask):
         return build.slot_rows_attention(q.contiguous(), k, v, cache_k, cache_v, rows, row_slot, mask, scale)
     from thunder_batch import model
 
     return model.slot_rows_attention(q, k, v, cache_k, cache_v, rows, row_slot, mask, scale)
+
+
+def _native_takes(q, k, v, cache_k, cache_v, mask) -> bool:
+    """Whether a rows-attention call (q [N, H, D], caches [B, G, S', D]) runs on the native op."""
+    H, D, G = q.shape[1], q.shape[2], cache_k.shape[1]
+    key = (q.device.type, q.dtype, cache_k.dtype, mask.dtype, H, G, D, k.stride(-1), v.stride(-1), mask.stride(-1))
+    return _native_rows(*key) and cache_k.is_contiguous() and cache_v.is_contiguous()
 
 
 @functools.cache
