@@ -55,13 +55,12 @@ AVX512 void tiles(const float* x, int64_t I, const float* packed, int64_t blk0, 
   for (; blk < blk1; ++blk) tile<R, 1>(x, I, packed, blk, m0, y, O);
 }
 
-// One pass of R <= 8 rows x NB blocks (at most 24 of the 32 registers hold accumulators). A pass reads its
-// group of weights from L2 again: rows split into passes of 4, 2, 1 ran 6 rows at 19.5 GB/s against 25.5
-// at 4 rows, 23 in one 6 x 4 pass (RESULTS.md).
+// One pass of the R <= 7 rows left after the 16- and 8-row passes, R x NB blocks (at most 24 of the 32
+// registers hold accumulators). A pass reads its group of weights from L2 again: rows split into passes of
+// 4, 2, 1 ran 6 rows at 19.5 GB/s against 25.5 at 4 rows, 23 in one 6 x 4 pass (RESULTS.md).
 AVX512 void pass(int64_t R, const float* x, int64_t I, const float* packed, int64_t g0, int64_t g1, int64_t m0,
                  float* y, int64_t O) {
   switch (R) {
-    case 8: return tiles<8, 3>(x, I, packed, g0, g1, m0, y, O);
     case 7: return tiles<7, 3>(x, I, packed, g0, g1, m0, y, O);
     case 6: return tiles<6, 4>(x, I, packed, g0, g1, m0, y, O);
     case 5: return tiles<5, 4>(x, I, packed, g0, g1, m0, y, O);
