@@ -101,7 +101,7 @@ def run_speculative_bench(
     from thunder_batch.config import EngineConfig
     from thunder_batch.engine import Engine
 
-    rows = []
+    rows, prompts = [], [r.prompt_ids for r in workload]
     for name, overrides in systems.items():
         for batch_size in batch_sizes:
             baseline = None
@@ -114,7 +114,6 @@ def run_speculative_bench(
                 run = run_once(engine, workload, opts["ignore_eos"])
                 spec = engine.stats().get("speculative", {})
                 baseline = baseline or run
-                prompts = [r.prompt_ids for r in workload]
                 ngrams = (config.speculative_ngram_min, config.speculative_ngram_max)
                 ceiling = ceiling_speedup(prompts, baseline["tokens"], k, *ngrams, batch_size)
                 rows.append(_row(name, batch_size, k, run, spec, baseline) | dict(ceiling_speedup=round(ceiling, 3)))
