@@ -1,8 +1,10 @@
 """The native CPU kernels: exact against torch's linear, and a build that a killed build never blocks."""
 
+import fnmatch
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +39,19 @@ def test_a_fresh_process_builds_past_a_stale_baton_and_a_cut_short_source(tmp_pa
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+def test_every_file_the_build_reads_ships_in_the_package():
+    """A wheel install builds the kernels from its own copy: every source and header must be package data
+    (the headers were not, so a non-editable install could not build them)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(build.__file__).parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = patterns["thunder_batch"]
+    for path in build.SOURCES + build.HEADERS:
+        assert path.exists(), path
+        name = f"native/{path.name}"
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in shipped), name
+
+
 @pytest.mark.parametrize(
     "rows,out_features,bias",
     [(1, 48, True), (3, 40, True), (5, 37, False), (6, 40, False), (16, 16, True), (7, 1000, True)]
@@ -76,6 +91,25 @@ def test_bf16_packed_linear_is_torchs_result_up_to_the_last_bit(rows, out_featur
     assert got.shape == (2, rows, out_features) and got.dtype == torch.bfloat16
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()  # one rounding to bf16
     assert (got == torch.nn.functional.linear(x, w, b)).float().mean() > 0.95
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+def test_a_thread_held_up_leaves_the_rest_of_its_blocks_to_the_other():
+    """The kernels' split of blocks among threads: every block taken once; a thread the OS holds up after
+    its first chunk (0.3 s here; each chunk takes 5 ms) gets no more than that chunk, the other takes the
+    rest of its range from the back (with fixed halves it kept its 32 blocks and the op waited for it)."""
+    assert build.unavailable() is None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        quiet = torch.ops.thunder_batch.share_blocks_probe(64, 4, 5_000, 0)
+        held_up = torch.ops.thunder_batch.share_blocks_probe(64, 4, 5_000, 300_000)
+    finally:
+        torch.set_num_threads(threads)
+    for taken in (quiet, held_up):
+        assert taken[:, 1].tolist() == [1] * 64  # each block taken once
+    by_thread = held_up[:, 0].tolist()
+    assert by_thread[:32] == [0] * 32 and by_thread.count(1) <= 4  # its first chunk at most
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")

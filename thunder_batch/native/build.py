@@ -24,9 +24,16 @@ from thunder_batch import fallbacks
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("packed_linear.cpp", "packed_linear_bf16.cpp", "packed_linear_amx.cpp", "decode_attention.cpp")
+    for name in (
+        "packed_linear.cpp",
+        "packed_linear_bf16.cpp",
+        "packed_linear_amx.cpp",
+        "decode_attention.cpp",
+        "work_sharing.cpp",
+    )
 ]
-HEADERS = [Path(__file__).with_name("packed_tiles.h")]  # included by the sources: part of the build's name
+# Included by the sources: part of the build's name.
+HEADERS = [Path(__file__).with_name(name) for name in ("packed_tiles.h", "work_sharing.h")]
 # -fopenmp: torch's own libgomp has the same soname, so the kernels share its OpenMP thread pool.
 # No -m flags: each kernel names its instruction set (AVX-512F, AVX512-BF16, AVX2 + FMA) and the fp32
 # kernel picks its path from the CPU per call, so one build runs on every x86-64 CPU with AVX2.

@@ -5,7 +5,7 @@
 // [B, G, L, D] with any stride over L (views of the slot cache's first L entries), mask: additive,
 // [B, 1, 1, L]. Every (slot, group) pair reads its visible keys and values once, for all Q rows: the
 // read of the slot's live cache entries is the whole cost (torch's kernel reads all L entries).
-// Pairs are split across threads (torch's OpenMP pool). AVX2 + FMA; with D % 8 == 0 keys are scored four
+// Pairs are shared among torch's threads (work_sharing.h). AVX2 + FMA; with D % 8 == 0 keys are scored four
 // at a time and values summed 8 columns x up to 4 rows in registers (1.4-1.8x the one-dot-at-a-time loop,
 // benchmarks/RESULTS.md), other head sizes one key at a time. `decode_rows_attention` is a decode-only
 // step's whole attention in one call: the step's K and V rows written into the caches, then this kernel;
@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "work_sharing.h"
 
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -188,7 +190,7 @@ struct Shape {
 template <typename T>
 void run(const T* qp, const T* kp, const T* vp, const T* mp, const Shape& s, double scale, T* op,
          const int64_t* slot_of) {
-  at::parallel_for(0, s.B * s.G, 1, [&](int64_t p0, int64_t p1) {
+  packed::share_blocks(s.B * s.G, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> scores(s.Q * s.L);
     std::vector<int64_t> live(s.L);
     for (int64_t p = p0; p < p1; ++p) {

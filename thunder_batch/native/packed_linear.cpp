@@ -4,7 +4,7 @@
 // output features, [ceil(O/16), I, 16]: one 64-byte load holds 16 outputs' weights for one input, so
 // the whole matrix is read as one sequential stream, each value once, multiplied by every row of x
 // (a broadcast x[r, i]) into accumulators that hold 16 outputs each: no horizontal sums. Blocks of
-// outputs are split across threads (torch's OpenMP pool). AVX-512F, or AVX2 + FMA (a block as two ymm,
+// outputs are shared among torch's threads (work_sharing.h). AVX-512F, or AVX2 + FMA (a block as two ymm,
 // chosen per call from the CPU; callers check for AVX2 + FMA first). Each output is one float32 FMA chain
 // over the inputs in order, on both paths: the same result to the bit. bfloat16: packed_linear_bf16.cpp.
 //
@@ -163,9 +163,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (O + kBlock - 1) / kBlock;
-  const int64_t grain = std::max<int64_t>(4, (32 << 10) / (I * kBlock * int64_t(sizeof(float))));
+  const int64_t chunk = l2_group(I, sizeof(float), 256 << 10);  // a thread takes one L2 group at a time
   const bool avx512 = __builtin_cpu_supports("avx512f");
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  share_blocks(blocks, chunk, [&](int64_t b0, int64_t b1) {
     if (avx512)
       rows(xp, M, I, wp, b0, b1, yp, O);
     else

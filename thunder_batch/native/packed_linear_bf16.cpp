@@ -165,7 +165,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, con
   const at::Tensor x2 = x.reshape({-1, I}).contiguous();
   const int64_t M = x2.size(0), blocks = (O + kBlock - 1) / kBlock;
   const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
-  const int64_t grain = std::max<int64_t>(4, (32 << 10) / (I * kBlock * int64_t(sizeof(bf16))));
+  const int64_t group = l2_group(I, sizeof(bf16), 256 << 10);
   at::Tensor y;
   if (__builtin_cpu_supports("avx512bf16")) {
     at::Tensor b32;  // the bias in float32, zero-padded to whole blocks: the accumulators start from it
@@ -178,7 +178,8 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, con
     const bf16* xp = reinterpret_cast<const bf16*>(x2.data_ptr<at::BFloat16>());
     bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
     const bool amx = amx_runs(I);  // AMX where present: the same packed weight, read as tiles
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t chunk = amx ? std::max<int64_t>(2, group) : group;  // as rows_amx and rows_bf16 group them
+    share_blocks(blocks, chunk, [&](int64_t b0, int64_t b1) {
       amx ? rows_amx(xp, M, I, wp, bp, b0, b1, yp, O) : rows_bf16(xp, M, I, wp, bp, b0, b1, yp, O);
     });
   } else {  // AVX2: float32 sums and bias, rounded to bfloat16 once by torch's conversion (to nearest even)
@@ -186,7 +187,8 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, con
     at::Tensor yf = at::empty({M, O}, xf.options());
     const float* xp = xf.data_ptr<float>();
     float* yp = yf.data_ptr<float>();
-    at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { rows_bf16_avx2(xp, M, I, wp, b0, b1, yp, O); });
+    share_blocks(blocks, l2_group(I, sizeof(bf16)),
+                 [&](int64_t b0, int64_t b1) { rows_bf16_avx2(xp, M, I, wp, b0, b1, yp, O); });
     if (bias.has_value()) yf.add_(*bias);  // in float32: each bfloat16 bias value is exact there
     y = yf.to(at::kBFloat16);
   }

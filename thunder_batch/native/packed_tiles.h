@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "work_sharing.h"
+
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma")))
 // Unrolled in full, the accumulator arrays live in registers (g++ 12 otherwise stores them every step).
