@@ -25,7 +25,7 @@ from thunder_batch.compile.fusion import EXECUTOR as FUSION
 from thunder_batch.compile.load_check import checked_call
 from thunder_batch.compile.piece_store import PieceStore
 from thunder_batch.compile.pieces import SharedTraces, TracedPiece, trace_piece
-from thunder_batch.compile.project_executor import EXECUTOR, ProjectKernelsMode
+from thunder_batch.compile.project_executor import EXECUTOR, PACKED, ProjectKernelsMode
 from thunder_batch.program import StepProgram
 
 
@@ -172,7 +172,7 @@ class LayeredProgram:
             piece = shape.shared.find(module)
             if piece is not None:
                 probe = lambda: self._probe(shape, args).block  # noqa: E731  (made only to check a stored piece)
-                bound, out = self._first_call(shape.shared, piece, module, args, probe)
+                bound, out = self._first_call(shape, piece, module, args, probe)
                 if bound is not None:
                     shape.blocks[i] = bound
                     return out
@@ -184,19 +184,24 @@ class LayeredProgram:
         finally:
             self.seconds["block"] += time.perf_counter() - start
 
-    def _first_call(self, shared: SharedTraces, piece: TracedPiece, module, args, probe: Callable[[], tuple]):
+    def _first_call(self, shape: _Shape, piece: TracedPiece, module, args, probe: Callable[[], tuple]):
         """(the piece bound to a new layer, its outputs); a stored piece is checked against the eager
         module on the `probe()` inputs before its first use, and one that fails is dropped: (None, None).
         Once is enough: the layers it serves next pass the same prologue checks and run the same program
         (checking all 30 layers was 40 of a 53 s warm start at B=64). In a warm-up those later layers are
-        bound, not run: their input stands for their output."""
+        bound, not run: their input stands for their output, and their weights are packed as the layer
+        that ran the program packed its own (else a server's first decode step packed 29 layers: ~2.3 s)."""
         bound = piece.bind(module)
         if piece.jitted is not None or piece.checked:  # an earlier layer ran this program (traced, or checked)
-            return bound, bound(*args) if self.outputs_used else args[0]  # x [N, C] -> x [N, C]
+            if self.outputs_used:
+                return bound, bound(*args)
+            ran = next(b for b in shape.blocks.values() if b.computation is bound.computation)
+            PACKED.pack_as(ran.bindings, bound.bindings)
+            return bound, args[0]  # x [N, C] -> x [N, C]
         problem = checked_call(bound, module, probe(), self._eager_linears)
         if problem:
             warn(f"compile cache block entry ignored, retracing: failed its load-time check ({problem})")
-            shared.traces.remove(piece)
+            shape.shared.traces.remove(piece)
             self.pieces.remove(piece)
             self.loaded["block"] -= 1
             return None, None

@@ -80,6 +80,18 @@ class PackedWeights:
             self._packed[id(w)] = entry
         return entry[2], entry[3]
 
+    def holds(self, w: torch.Tensor) -> bool:
+        """Whether `w`'s packed copy is made and current."""
+        entry = self._packed.get(id(w))
+        return entry is not None and entry[0]() is w and entry[1] == w._version
+
+    def pack_as(self, done: list, todo: list) -> None:
+        """Packs each weight of `todo` whose counterpart in `done` (another layer's inputs to the same
+        program, in the same order) is packed: a layer bound without running gets what it will read."""
+        for ran, bound in zip(done, todo, strict=True):
+            if isinstance(ran, torch.Tensor) and isinstance(bound, torch.Tensor) and self.holds(ran):
+                self.get(bound)
+
     @staticmethod
     def _pack(w: torch.Tensor) -> tuple[torch.Tensor, Callable]:
         from thunder_batch.native import build
