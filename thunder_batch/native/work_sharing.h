@@ -15,7 +15,8 @@ namespace packed {
 // thread the OS takes away for a while (a server's HTTP process and its clients share the cores) so leaves
 // the rest of its range to the others instead of making them wait at the op's end; on a quiet machine the
 // ranges end together, as fixed halves did. work(b0, b1) runs once per chunk; each output is computed by
-// one thread in one pass, so the result does not depend on who took it.
+// one thread in one pass, so the result does not depend on who took it. A range's two ends share one
+// 64-bit word (blocks < 2^32), so a take from either end is one compare-and-swap.
 class Ranges {
  public:
   explicit Ranges(int64_t n) : slots_(n) {}
