@@ -191,8 +191,10 @@ template <typename T>
 void run(const T* qp, const T* kp, const T* vp, const T* mp, const Shape& s, double scale, T* op,
          const int64_t* slot_of) {
   packed::share_blocks(s.B * s.G, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> scores(s.Q * s.L);
-    std::vector<int64_t> live(s.L);
+    thread_local std::vector<float> scores;  // a thread's scratch, kept across its chunks (one pair each)
+    thread_local std::vector<int64_t> live;
+    scores.resize(s.Q * s.L);
+    live.resize(s.L);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / s.G, g = p % s.G, at = (slot_of ? slot_of[b] : b) * s.kv_slot + g * s.kv_group;
       attend<T>(qp + p * s.Q * s.D, kp + at, vp + at, mp + b * s.mask_stride, s.Q, s.L, s.D, s.kv_entry, float(scale),

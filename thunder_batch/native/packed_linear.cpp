@@ -76,7 +76,7 @@ AVX512 void pass(int64_t R, const float* x, int64_t I, const float* packed, int6
 // (benchmarks/RESULTS.md).
 AVX512 void rows(const float* x, int64_t M, int64_t I, const float* packed, int64_t blk0, int64_t blk1, float* y,
                  int64_t O) {
-  const int64_t group = l2_group(I, sizeof(float), 256 << 10);
+  const int64_t group = group_512(I, sizeof(float));
   for (int64_t g0 = blk0; g0 < blk1; g0 += group) {
     const int64_t g1 = std::min(blk1, g0 + group);
     int64_t m = 0;
@@ -163,7 +163,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t blocks = (O + kBlock - 1) / kBlock;
-  const int64_t chunk = l2_group(I, sizeof(float), 256 << 10);  // a thread takes one L2 group at a time
+  const int64_t chunk = group_512(I, sizeof(float));  // a thread takes one L2 group at a time
   const bool avx512 = __builtin_cpu_supports("avx512f");
   share_blocks(blocks, chunk, [&](int64_t b0, int64_t b1) {
     if (avx512)

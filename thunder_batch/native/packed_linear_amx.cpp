@@ -115,7 +115,7 @@ bool amx_runs(int64_t in_features) {
 // a time (two row tiles) against pairs of blocks; x [M, I], y [M, O], bias float32 padded or null.
 AMX void rows_amx(const bf16* x, int64_t M, int64_t I, const bf16* packed, const float* bias, int64_t blk0,
                   int64_t blk1, bf16* y, int64_t O) {
-  const int64_t group = std::max<int64_t>(2, l2_group(I, sizeof(bf16), 256 << 10));
+  const int64_t group = amx_group(I);
   for (int64_t g0 = blk0; g0 < blk1; g0 += group) {
     const int64_t g1 = std::min(blk1, g0 + group);
     for (int64_t m = 0; m < M; m += 2 * kTileRows) {

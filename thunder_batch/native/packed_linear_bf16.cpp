@@ -72,7 +72,7 @@ void pass_bf16(int64_t R, const bf16* x, int64_t I, const bf16* packed, const fl
 // the thread's blocks, then 4 x 4, 2 x 2, 1 x 4: 3 rows 1.34x, 5-8 rows 1.1-1.2x, 12-16 rows 1.3x faster.
 void rows_bf16(const bf16* x, int64_t M, int64_t I, const bf16* packed, const float* bias, int64_t blk0,
                int64_t blk1, bf16* y, int64_t O) {
-  const int64_t group = l2_group(I, sizeof(bf16), 256 << 10);
+  const int64_t group = group_512(I, sizeof(bf16));
   for (int64_t g0 = blk0; g0 < blk1; g0 += group) {
     const int64_t g1 = std::min(blk1, g0 + group);
     int64_t m = 0;
@@ -165,7 +165,6 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, con
   const at::Tensor x2 = x.reshape({-1, I}).contiguous();
   const int64_t M = x2.size(0), blocks = (O + kBlock - 1) / kBlock;
   const bf16* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
-  const int64_t group = l2_group(I, sizeof(bf16), 256 << 10);
   at::Tensor y;
   if (__builtin_cpu_supports("avx512bf16")) {
     at::Tensor b32;  // the bias in float32, zero-padded to whole blocks: the accumulators start from it
@@ -178,7 +177,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, con
     const bf16* xp = reinterpret_cast<const bf16*>(x2.data_ptr<at::BFloat16>());
     bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
     const bool amx = amx_runs(I);  // AMX where present: the same packed weight, read as tiles
-    const int64_t chunk = amx ? std::max<int64_t>(2, group) : group;  // as rows_amx and rows_bf16 group them
+    const int64_t chunk = amx ? amx_group(I) : group_512(I, sizeof(bf16));  // as rows_amx and rows_bf16 group them
     share_blocks(blocks, chunk, [&](int64_t b0, int64_t b1) {
       amx ? rows_amx(xp, M, I, wp, bp, b0, b1, yp, O) : rows_bf16(xp, M, I, wp, bp, b0, b1, yp, O);
     });

@@ -35,6 +35,11 @@ inline int64_t l2_group(int64_t I, int64_t bytes, int64_t group_bytes = 128 << 1
   return std::max<int64_t>(1, group_bytes / (I * kBlock * bytes));
 }
 
+// Blocks per L2 group of the AVX-512 kernels (fp32, vdpbf16ps: 256 KiB) and of the AMX kernel (pairs of
+// blocks); a linear's threads also take their work one such group at a time (work_sharing.h).
+inline int64_t group_512(int64_t I, int64_t bytes) { return l2_group(I, bytes, 256 << 10); }
+inline int64_t amx_group(int64_t I) { return std::max<int64_t>(2, group_512(I, sizeof(bf16))); }
+
 // M rows in passes of at most `most` rows, as even as they go (8 rows: 4 + 4, not 6 + 2): pass(m0, rows).
 template <class Pass>
 inline void even_passes(int64_t M, int64_t most, Pass pass) {
