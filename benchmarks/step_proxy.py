@@ -45,17 +45,22 @@ def timed_steps(engine, steps: int) -> list[float]:
     return times
 
 
+def decode_step_arguments(precision: str, rounds: int, steps: int) -> argparse.ArgumentParser:
+    """The options of the scripts that time decode-only steps (this one, steps_under_load.py)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--precision", default=precision)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--cache-dir", default=None, help="the compile cache (default: the engine's)")
+    return parser
+
+
 def main() -> None:
     from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
     from thunder_batch.native.build import cpu_flags
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--precision", default="bfloat16")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--cache-dir", default=None, help="the compile cache (default: the engine's)")
-    args = parser.parse_args()
+    args = decode_step_arguments("bfloat16", rounds=5, steps=10).parse_args()
     torch.set_num_threads(2)
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2")))
     print(f"CPU flags: {' '.join(flags)}; torch threads {torch.get_num_threads()}")

@@ -10,14 +10,13 @@ the default model's weights), default executors, alternating rounds quiet and wi
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
-from step_proxy import decoding_engine, timed_steps
+from step_proxy import decode_step_arguments, decoding_engine, timed_steps
 
 BUSY = "import time, sys\nb, i = float(sys.argv[1]) / 1e6, float(sys.argv[2]) / 1e6\nwhile True:\n"
 BUSY += "    t = time.perf_counter()\n    while time.perf_counter() - t < b: pass\n    time.sleep(i)\n"
@@ -37,14 +36,9 @@ def busy_steps(engine, steps: int, busy_us: float, idle_us: float) -> list[float
 def main() -> None:
     from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--precision", default="float32")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
+    parser = decode_step_arguments("float32", rounds=3, steps=20)
     parser.add_argument("--busy-us", type=float, default=100)
     parser.add_argument("--idle-us", type=float, default=400)
-    parser.add_argument("--cache-dir", default=None, help="the compile cache (default: the engine's)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     gpt, _, _ = load_checkpoint(default_checkpoint_dir(), dtype=getattr(torch, args.precision))
