@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
-from thunder_batch.compile.attention import ROWS_ATTENTION
+from thunder_batch.compile.attention import DECODE_BLOCK, ROWS_ATTENTION
 from thunder_batch.compile.cache import CompileCacheWarning
 from thunder_batch.compile.fused_region import FusedRegion, regions_of
 from thunder_batch.compile.fusion import REGION_PREFIX
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.fusion, pytest.mark.regression]
 # One step shape: no prefill lanes (prompts through the decode rows), one rung.
 CONFIG = dict(batch_size=2, max_seq_length=32, prefill_chunk=4, prefill_lanes=0, attention_lengths=(32,))
 PROMPTS = mixed_prompts(3, [2, 5, 7])
+REGIONS = "pythia"  # its decode blocks are fused regions (a llama block is one native op: compile.block_op)
 
 
 def engine(family: str, cache_dir) -> Engine:
@@ -46,19 +47,22 @@ def test_fused_step_gives_litgpt_tokens_and_writes_the_cache_in_place(family, tm
     fused = engine(family, tmp_path)
     assert greedy(fused) == [litgpt_greedy(tiny_gpt(family), p, 5) for p in PROMPTS]
     traces = execution_traces(fused.runner.step_fn)
-    writes = (ROWS_ATTENTION, INDEX_COPY_OPERATOR)
+    writes = (DECODE_BLOCK, ROWS_ATTENTION, INDEX_COPY_OPERATOR)
     block = next(t for t in traces if any(b.sym.name in writes for b in t.bound_symbols))
     names = [b.sym.name for b in block.bound_symbols]
-    assert any(n.startswith(REGION_PREFIX) for n in names)  # elementwise work fused
-    # K and V written in place, outside any region: by the one-op decode attention (decode-only steps),
-    # or two index copies where it does not run (Gemma-2's softcapped attention)
-    one_op = family != "gemma2"
-    assert (names.count(ROWS_ATTENTION), names.count(INDEX_COPY_OPERATOR)) == ((1, 0) if one_op else (0, 2))
+    counts = tuple(names.count(op) for op in writes)
+    if family == "llama":  # a llama-shaped decode block is one native op (compile.block_op), writes included
+        assert counts == (1, 0, 0) and not any(n.startswith(REGION_PREFIX) for n in names)
+    else:
+        assert any(n.startswith(REGION_PREFIX) for n in names)  # elementwise work fused
+        # K and V written in place, outside any region: by the one-op decode attention (decode-only steps),
+        # or two index copies where it does not run (Gemma-2's softcapped attention)
+        assert counts == ((0, 1, 0) if family == "pythia" else (0, 0, 2))
     assert fused.stats()["not_stored"] == 0
 
 
 def test_a_fresh_engine_loads_the_compiled_regions_and_compiles_nothing(tmp_path, monkeypatch):
-    first = engine("llama", tmp_path)
+    first = engine(REGIONS, tmp_path)
     tokens = greedy(first)
     assert sorted((tmp_path / "inductor").glob("*.bin"))  # the compiled regions, stored
 
@@ -66,7 +70,7 @@ def test_a_fresh_engine_loads_the_compiled_regions_and_compiles_nothing(tmp_path
         raise AssertionError("a stored region was compiled again")
 
     monkeypatch.setattr(torch._inductor, "standalone_compile", no_compiling)
-    second = engine("llama", tmp_path)
+    second = engine(REGIONS, tmp_path)
     assert greedy(second) == tokens
     stats = second.stats()
     assert stats["traced"] == 0 and stats["disk_cache_hits"] > 0
@@ -75,8 +79,8 @@ def test_a_fresh_engine_loads_the_compiled_regions_and_compiles_nothing(tmp_path
 
 @pytest.mark.parametrize("damage", ["edit", "group-writable"])
 def test_a_damaged_or_unsafe_region_is_compiled_again_with_one_warning(tmp_path, damage):
-    tokens = greedy(engine("llama", tmp_path))
-    loading = engine("llama", tmp_path)
+    tokens = greedy(engine(REGIONS, tmp_path))
+    loading = engine(REGIONS, tmp_path)
     greedy(loading)
     victim = tmp_path / "inductor" / f"{regions(loading)[0].digest}.bin"  # a block region a fresh engine loads
     if damage == "edit":
@@ -85,7 +89,7 @@ def test_a_damaged_or_unsafe_region_is_compiled_again_with_one_warning(tmp_path,
         os.chmod(victim, 0o664)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        again = engine("llama", tmp_path)
+        again = engine(REGIONS, tmp_path)
         assert greedy(again) == tokens
     messages = [str(w.message) for w in caught if issubclass(w.category, CompileCacheWarning)]
     assert len(messages) == 1 and victim.name in messages[0], messages
@@ -135,9 +139,9 @@ def test_without_a_compiler_regions_run_unfused_with_one_warning(tmp_path, monke
         raise RuntimeError("Failed to find C++ compiler")
 
     monkeypatch.setattr(torch._inductor, "standalone_compile", no_compiler)
-    unfused = engine("llama", tmp_path)
+    unfused = engine(REGIONS, tmp_path)
     with pytest.warns(fresh_fallbacks.FallbackWarning, match="could not be compiled") as caught:
-        assert greedy(unfused) == [litgpt_greedy(tiny_gpt("llama"), p, 5) for p in PROMPTS]
+        assert greedy(unfused) == [litgpt_greedy(tiny_gpt(REGIONS), p, 5) for p in PROMPTS]
     assert len([w for w in caught if issubclass(w.category, fresh_fallbacks.FallbackWarning)]) == 1
     assert unfused.stats()["fallbacks"]["unfused_region"] > 0  # each region, at each shape it ran
     assert not list((tmp_path / "inductor").glob("*.bin"))
@@ -150,9 +154,9 @@ def test_on_a_full_disk_regions_run_compiled_and_are_not_stored(tmp_path, monkey
     from torch._inductor.standalone_compile import CacheCompiledArtifact
 
     monkeypatch.setattr(CacheCompiledArtifact, "save", full_disk)  # what standalone_compile returns
-    fused = engine("llama", tmp_path)
+    fused = engine(REGIONS, tmp_path)
     with pytest.warns(fresh_fallbacks.FallbackWarning, match="could not be stored"):
-        assert greedy(fused) == [litgpt_greedy(tiny_gpt("llama"), p, 5) for p in PROMPTS]
+        assert greedy(fused) == [litgpt_greedy(tiny_gpt(REGIONS), p, 5) for p in PROMPTS]
     fallbacks = fused.stats()["fallbacks"]
     assert fallbacks["region_unsaved"] > 0 and "unfused_region" not in fallbacks  # compiled all the same
     assert not list((tmp_path / "inductor").glob("*.bin"))

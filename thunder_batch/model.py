@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from litgpt.model import apply_rope, apply_rope_interleave, do_softcapping, yarn_get_mscale
+from torch.overrides import handle_torch_function, has_torch_function
 
 from thunder_batch.index_ops import flat_rows, index_copy_flat, index_select_2d
 
@@ -119,10 +120,10 @@ def grouped_attention(q, k, v, mask, config) -> torch.Tensor:
     return y.reshape(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, config) -> torch.Tensor:
-    # x: [N, heads, D]; cos, sin: [N, 1, n_elem], one position per row
-    n_elem = config.rope_n_elem
-    rotate = apply_rope_interleave if config.rope_interleave else apply_rope
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    # x: [N, heads, D]; cos, sin: [N, 1, n_elem], one position per row (n_elem: config.rope_n_elem)
+    n_elem = cos.shape[-1]
+    rotate = apply_rope_interleave if interleave else apply_rope
     if n_elem == x.shape[-1]:  # full rotary: no pass-through part to concatenate
         return rotate(x, cos, sin)
     return torch.cat((rotate(x[..., :n_elem], cos, sin), x[..., n_elem:]), dim=-1)
@@ -140,7 +141,7 @@ def attention_forward(attn, cache, x, shared: StepShared, kind: int, lane_len: i
     q, k, v = q.view(N, H, D), k.view(N, G, D), v.view(N, G, D)
     if cfg.norm_qk and cfg.norm_qk_type == "default":
         q, k = attn.norm_q(q), attn.norm_k(k)
-    q, k = _rope(q, shared.cos, shared.sin, cfg), _rope(k, shared.cos, shared.sin, cfg)
+    q, k = _rope(q, shared.cos, shared.sin, cfg.rope_interleave), _rope(k, shared.cos, shared.sin, cfg.rope_interleave)
     if N == cache.k.shape[0] and x.device.type == "cpu" and cfg.attention_logit_softcapping is None:
         mask = shared.decode_mask[kind]  # a decode-only step: one call (the project's executor: one op)
         return attn.proj(decode_rows_attention(q, k, v, cache.k, cache.v, shared.kv_rows, mask, attention_scale(cfg)))
@@ -211,11 +212,17 @@ def slot_attention(q, cache_k, cache_v, shared: StepShared, kind: int, lane_len:
     return torch.cat((decode.view(B, H * D), lanes.reshape(P * lane_len, H * D)))
 
 
-def block_forward(block, cache, x, shared: StepShared, lane_len: int, mlp=None, verify: bool = False) -> torch.Tensor:
+def block_forward(
+    block, cache, x, shared: StepShared, lane_len: int, mlp=None, verify: bool = False, one_call: bool = False
+) -> torch.Tensor:
     """litgpt Block.forward (both residual layouts) with our attention. x: [N, C]; shared.cos/sin: the
-    layer's own; mlp: what runs in place of block.mlp on [N, C] rows (an MoE layer's StackedExperts)."""
+    layer's own; mlp: what runs in place of block.mlp on [N, C] rows (an MoE layer's StackedExperts);
+    one_call: a decode-only step runs the block as `decode_block` (set by the compile layer where the
+    project's executor runs it as one native op)."""
     cfg = block.config
     kind = 1 if block.attn.apply_sliding_window_attention else 0
+    if one_call and x.shape[0] == cache.k.shape[0]:  # a decode-only step
+        return _decode_block_of(block, cache, x, shared, kind)
     x_normed = block.norm_1(x)
     attention = attention_forward(block.attn, cache, x_normed, shared, kind, lane_len, verify)
     attention_output = block.post_attention_norm(attention)
@@ -228,3 +235,59 @@ def block_forward(block, cache, x, shared: StepShared, lane_len: int, mlp=None, 
         x_normed = block.norm_2(x)
     mlp = block.mlp if mlp is None else mlp
     return block.post_mlp_norm(mlp(x_normed)) + x
+
+
+def _decode_block_of(block, cache, x, shared: StepShared, kind: int) -> torch.Tensor:
+    """`decode_block` on this layer's weights and cache."""
+    attn, mlp, norms = block.attn, block.mlp, (block.norm_1, block.norm_2)
+    weights = [m.weight for m in (*norms, attn.qkv, attn.proj, mlp.fc_1, mlp.fc_2, mlp.proj)]
+    caches = (cache.k, cache.v, shared.kv_rows, shared.decode_mask, kind)
+    eps = (norms[0].eps, norms[1].eps)
+    return decode_block(x, *weights, shared.cos, shared.sin, *caches, *eps, attention_scale(block.config))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """litgpt's RMSNorm over the last dim without unit offset, as its module computes it. x: [N, C]."""
+    dtype = x.dtype
+    x = x.float()
+    x_normed = x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)
+    return (x_normed * weight.float()).to(dtype=dtype)
+
+
+def decode_block(
+    x,
+    norm_1,
+    norm_2,
+    qkv,
+    proj,
+    fc_1,
+    fc_2,
+    mlp_proj,
+    cos,
+    sin,
+    cache_k,
+    cache_v,
+    rows,
+    masks,
+    kind,
+    eps_1,
+    eps_2,
+    scale,
+) -> torch.Tensor:
+    """A decode-only step's llama-shaped block (RMSNorm, RoPE'd grouped attention with its KV writes, SiLU-gated
+    MLP, no biases, residual adds in sequence) as litgpt's modules compute it; the project's executor runs it
+    as one native op (compile.block_op): one host call a layer instead of eleven. x: [B, C]; norms [C];
+    weights [out, in]; cos, sin: [B, 1, n_elem]; caches [B, G, S', D]; rows [B * G]; masks [K, B, 1, 1, L]
+    (`kind` picks this layer's) -> [B, C]. Under a torch function mode (the project's kernels in eager code,
+    as the load check runs it) the mode may run it as the executor does."""
+    args = (x, norm_1, norm_2, qkv, proj, fc_1, fc_2, mlp_proj, cos, sin, cache_k, cache_v, rows, masks, kind)
+    if has_torch_function(args[:14]):
+        return handle_torch_function(decode_block, args[:14], *args, eps_1, eps_2, scale)
+    B, G, D = x.shape[0], cache_k.shape[1], cache_k.shape[3]
+    H = qkv.shape[0] // D - 2 * G
+    q, k, v = F.linear(rms_norm(x, norm_1, eps_1), qkv).split((H * D, G * D, G * D), dim=-1)
+    q, k = _rope(q.view(B, H, D), cos, sin, False), _rope(k.view(B, G, D), cos, sin, False)
+    y = decode_rows_attention(q, k, v.view(B, G, D), cache_k, cache_v, rows, masks[kind], scale)  # [B, H * D]
+    x = F.linear(y, proj) + x
+    normed = rms_norm(x, norm_2, eps_2)
+    return F.linear(F.silu(F.linear(normed, fc_1)) * F.linear(normed, fc_2), mlp_proj) + x

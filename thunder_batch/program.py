@@ -60,12 +60,13 @@ class BlockStep(nn.Module):
         self.block, self.cache, self.lane_len, self.verify = block, cache, lane_len, verify
         self.rope_table = rope_table(block.config, block.attn.block_idx)
         self.experts = fixed_shape_mlp(block)
+        self.one_call = False  # decode-only steps as one op (set by the compile layer: compile.block_op)
 
     def forward(self, x, cos, sin, kv_rows, decode_mask, lane_slot, lane_mask):
         # Argument names stay clear of the names Thunder's prologue gives submodules (m1, m2, ...).
         cos, sin = layer_rope(cos, sin, self.rope_table)  # [N, 1, n_elem]: this layer's table
         shared = StepShared(cos, sin, kv_rows, decode_mask, lane_slot, lane_mask)
-        return block_forward(self.block, self.cache, x, shared, self.lane_len, self.experts, self.verify)
+        return block_forward(self.block, self.cache, x, shared, self.lane_len, self.experts, self.verify, self.one_call)
 
 
 HEADS = ("filtered", "unsorted", "greedy")  # the samplers; each head variant is one of them

@@ -24,8 +24,9 @@ from thunder_batch.native import build
 ATTENTION = "thunder_batch_decode_attention"
 ROWS_ATTENTION = "thunder_batch_decode_rows_attention"
 SLOT_ROWS_ATTENTION = "thunder_batch_slot_rows_attention"
+DECODE_BLOCK = "thunder_batch_decode_block"  # a decode-only step's whole block (compile.block_op)
 # operator -> the arguments it writes in place (the caches)
-WRITES_IN_PLACE = {ROWS_ATTENTION: (3, 4), SLOT_ROWS_ATTENTION: (3, 4)}
+WRITES_IN_PLACE = {ROWS_ATTENTION: (3, 4), SLOT_ROWS_ATTENTION: (3, 4), DECODE_BLOCK: (10, 11)}
 MAX_QUERIES = 16  # query rows per (slot, group): the kernel keeps them in registers and on its stack
 MAX_HEAD_SIZE = 256
 
@@ -105,6 +106,11 @@ def _native_takes(q, k, v, cache_k, cache_v, mask) -> bool:
     H, D, G = q.shape[1], q.shape[2], cache_k.shape[1]
     key = (q.device.type, q.dtype, cache_k.dtype, mask.dtype, H, G, D, k.stride(-1), v.stride(-1), mask.stride(-1))
     return _native_rows(*key) and cache_k.is_contiguous() and cache_v.is_contiguous()
+
+
+def rows_op_runs(dtype: torch.dtype, H: int, G: int, D: int) -> bool:
+    """Whether the native rows attention takes a CPU model of these heads in `dtype` (contiguous rows)."""
+    return _native_rows("cpu", dtype, dtype, dtype, H, G, D, 1, 1, 1)
 
 
 @functools.cache

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from thunder_batch import fallbacks
 from thunder_batch._compat import import_thunder
-from thunder_batch.compile import attention
+from thunder_batch.compile import attention, block_op
 
 EXECUTOR = "thunder_batch"
 LINEAR = "thunder_batch_packed_linear"
@@ -61,6 +61,7 @@ def project_executor():
         op = executor.register_operator(LINEAR, meta=_linear_meta, fn=packed_linear)
         executor.register_implementation(ltorch.linear, op, checker=_claims)
     attention.register(executor)
+    block_op.register(executor)
     return executor
 
 
@@ -215,6 +216,8 @@ class ProjectKernelsMode(TorchFunctionMode):
             return packed_linear(*args, **kwargs)
         if func is F.scaled_dot_product_attention and attention.claims_tensors(*args, **kwargs):
             return attention.decode_attention(*args, **kwargs)
+        if func is block_op.model.decode_block:  # only the blocks `block_op.takes` call it
+            return block_op.decode_block(*args, **kwargs)
         return func(*args, **kwargs)
 
 

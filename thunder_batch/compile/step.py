@@ -76,15 +76,17 @@ def _load_or_compile(program: StepProgram, config: EngineConfig, probe_inputs) -
     if config.compile == "eager" or config.trace == "step":
         return compile_program(program, config)
     import_thunder()  # the compat patches must come before any thunder import
-    from thunder_batch.compile import trace_speedups
+    from thunder_batch.compile import block_op, trace_speedups
     from thunder_batch.compile.cache import EntryStore, resolve_root
     from thunder_batch.compile.layered import LayeredProgram
 
     trace_speedups.install()
+    options = compile_options(config)
+    block_op.mark_blocks(program, options["executors"], config.batch_size)
     return LayeredProgram(
         program,
         config,
-        compile_options(config),
+        options,
         EntryStore(resolve_root(config.cache_dir), next(program.parameters()).device),
         probe_inputs,
     )

@@ -20,6 +20,8 @@
 #include <cstring>
 #include <vector>
 
+#include "exp_avx2.h"
+#include "ops.h"
 #include "work_sharing.h"
 
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -48,28 +50,13 @@ AVX2 inline float dot(const float* a, const float* b, int64_t D) {
   return sum;
 }
 
-// e^x for x <= 0 (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial; ~1 ulp); below -87, ~1e-38.
-AVX2 inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
 AVX2 void softmax(float* row, int64_t L) {  // in place
   float top = row[0];
   for (int64_t l = 1; l < L; ++l) top = std::max(top, row[l]);
   __m256 sums = _mm256_setzero_ps();
   int64_t l = 0;
   for (; l + 8 <= L; l += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + l), _mm256_set1_ps(top)));
+    const __m256 e = packed::exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + l), _mm256_set1_ps(top)));
     _mm256_storeu_ps(row + l, e);
     sums = _mm256_add_ps(sums, e);
   }
@@ -278,12 +265,17 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return out;
 }
 
+}  // namespace
+
 // A decode-only step's attention in one call: row b is slot b's.
-at::Tensor decode_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
-                                 at::Tensor cache_v, const at::Tensor& rows, const at::Tensor& mask, double scale) {
+at::Tensor packed::decode_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         at::Tensor cache_k, at::Tensor cache_v, const at::Tensor& rows,
+                                         const at::Tensor& mask, double scale) {
   TORCH_CHECK(cache_k.dim() == 4 && q.size(0) == cache_k.size(0), "decode_rows_attention: one row per slot");
   return attend_rows(q, k, v, cache_k, cache_v, rows, nullptr, mask, scale);
 }
+
+namespace {
 
 // A verify step's attention in one call (speculative decoding): row n reads slot row_slot[n]'s cache.
 at::Tensor slot_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
@@ -311,6 +303,6 @@ TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
 
 TORCH_LIBRARY_IMPL(thunder_batch, CPU, m) {
   m.impl("decode_attention", decode_attention);
-  m.impl("decode_rows_attention", decode_rows_attention);
+  m.impl("decode_rows_attention", packed::decode_rows_attention);
   m.impl("slot_rows_attention", slot_rows_attention);
 }

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "packed_tiles.h"
 
 namespace {
@@ -149,8 +150,10 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
   return padded.view({blocks, kBlock, I}).transpose(1, 2).contiguous();  // [blocks, I, 16]
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t out_features) {
+}  // namespace
+
+at::Tensor packed::packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                                 int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "packed_linear: float32 CPU input");
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(-1) && packed.size(2) == kBlock &&
                   packed.size(0) * kBlock >= out_features && packed.is_contiguous(),
@@ -177,8 +180,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return y.view(shape);
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
   m.def("pack_linear_weight(Tensor w) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
@@ -186,5 +187,5 @@ TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
 
 TORCH_LIBRARY_IMPL(thunder_batch, CPU, m) {
   m.impl("pack_linear_weight", pack_linear_weight);
-  m.impl("packed_linear", packed_linear);
+  m.impl("packed_linear", packed::packed_linear);
 }

@@ -12,6 +12,7 @@
 
 #include <cstring>
 
+#include "ops.h"
 #include "packed_tiles.h"
 
 namespace {
@@ -155,8 +156,10 @@ at::Tensor pack_linear_weight_bf16(const at::Tensor& w) {
   return padded.view({blocks, kBlock, I / 2, 2}).transpose(1, 2).contiguous();
 }
 
-at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                              int64_t out_features) {
+}  // namespace
+
+at::Tensor packed::packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed,
+                                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "packed_linear_bf16: bfloat16 CPU input");
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(-1) && packed.size(2) == kBlock &&
                   packed.size(3) == 2 && packed.size(0) * kBlock >= out_features && packed.is_contiguous(),
@@ -196,8 +199,6 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, con
   return y.view(shape);
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
   m.def("pack_linear_weight_bf16(Tensor w) -> Tensor");
   m.def("packed_linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
@@ -205,5 +206,5 @@ TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
 
 TORCH_LIBRARY_IMPL(thunder_batch, CPU, m) {
   m.impl("pack_linear_weight_bf16", pack_linear_weight_bf16);
-  m.impl("packed_linear_bf16", packed_linear_bf16);
+  m.impl("packed_linear_bf16", packed::packed_linear_bf16);
 }

@@ -1,0 +1,19 @@
+// The ops that other native ops call directly (decode_block.cpp), defined in their own files; each is also
+// registered with torch as `thunder_batch::<name>`.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace packed {
+
+// float32 x [..., in] @ w.T (+ bias) from pack_linear_weight(w) (packed_linear.cpp).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features);
+// bfloat16 x [..., in] @ w.T (+ bias) from pack_linear_weight_bf16(w) (packed_linear_bf16.cpp).
+at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t out_features);
+// A decode-only step's attention with its K and V writes (decode_attention.cpp).
+at::Tensor decode_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
+                                 at::Tensor cache_v, const at::Tensor& rows, const at::Tensor& mask, double scale);
+
+}  // namespace packed
