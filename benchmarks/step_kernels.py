@@ -4,8 +4,9 @@ the linear layers. The default model (or random weights of its architecture), B 
 Kernels per step are profiler events: top-level aten calls (an aten op called by another one is part
 of it), the project's own kernels, and Inductor's generated kernels (its kernel profiling switched
 on). Linear time: the self time of the linear kernels (aten addmm/mm, oneDNN, the project's packed linears);
-weight bytes / linear time is the bandwidth the matmuls reach. The profiled step is also split into
-linears, attention, KV writes, fused regions, other ops and host time (outside every op).
+weight bytes / linear time is the bandwidth the matmuls reach (not shown where layers run as one op, whose
+linears the profiler does not see). The profiled step is also split into one-op blocks, linears,
+attention, KV writes, fused regions, other ops and host time (outside every op).
 
     python benchmarks/step_kernels.py --batch-sizes 1,8 --precisions bfloat16,float32 \
         --systems eager,thunder-torch,thunder-default --steps 20
@@ -79,6 +80,8 @@ def decode_engine(gpt, system: str, batch_size: int, max_seq_length: int, cache_
 
 
 SPLIT = {  # part of the step -> profiler event names (substrings) of its top-level ops
+    # a decode-only step's llama-shaped layer as one op (compile.block_op): its linears and attention inside
+    "blocks": ("thunder_batch::decode_block",),
     "linears": (*LINEAR_OPS, "aten::linear"),
     # thunder_batch::decode_attention; decode_rows_attention (a decode-only step's) and slot_rows_attention
     # (a verify step's), with their KV writes
@@ -155,13 +158,15 @@ def main() -> None:
                 engine = decode_engine(gpt, system, B, args.max_seq_length, args.cache_dir)
                 r = measure(engine, args.steps)
                 r.update(system=system, precision=precision, batch_size=B)
-                r["linear_gb_s"] = weight_bytes / 1e9 / max(r["linear_ms"] / 1e3, 1e-9)
+                one_op = r["split"]["blocks"] > 0  # the layers' linears run inside the block op
+                r["linear_gb_s"] = None if one_op else weight_bytes / 1e9 / max(r["linear_ms"] / 1e3, 1e-9)
                 rows.append(r)
                 top = ", ".join(f"{n} {c}" for n, c in r["top"].most_common(6))
                 rate = B / r["step_ms"] * 1e3
+                bandwidth = "in the block op" if one_op else f"{r['linear_gb_s']:4.1f} GB/s"
                 print(
                     f"{precision:9} B={B:<3} {system:28} step {r['step_ms']:7.1f} ms  tok/s {rate:6.1f}  kernels "
-                    f"{r['kernels']:5}  linear {r['linear_ms']:6.1f} ms ({r['linear_gb_s']:4.1f} GB/s)  [{top}]",
+                    f"{r['kernels']:5}  linear {r['linear_ms']:6.1f} ms ({bandwidth})  [{top}]",
                     flush=True,
                 )
                 print(
