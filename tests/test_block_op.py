@@ -51,11 +51,12 @@ def test_the_one_op_computes_the_models_block_and_writes_its_cache_entries(dtype
     outputs within rounding, the same K and V entries written, every other entry untouched."""
     from thunder_batch import model
     from thunder_batch.compile import block_op
+    from thunder_batch.compile.project_executor import PACKED
 
     assert build.unavailable() is None
     x, norms, weights, cos, sin, caches, rows, masks = block_inputs(dtype, n_elem, torch.Generator().manual_seed(3))
     mine, theirs = caches.clone(), caches.clone()
-    got = block_op.decode_block(x, *norms, *weights, cos, sin, *mine, rows, masks, 1, 1e-5, 1e-6, 0.2)
+    got = block_op.decode_block(PACKED, x, *norms, *weights, cos, sin, *mine, rows, masks, 1, 1e-5, 1e-6, 0.2)
     want = model.decode_block(x, *norms, *weights, cos, sin, *theirs, rows, masks, 1, 1e-5, 1e-6, 0.2)
     as64 = [t.double() for t in (x, *norms, *weights)]
     exact_caches = caches.double().clone()
@@ -73,17 +74,16 @@ def test_the_one_op_computes_the_models_block_and_writes_its_cache_entries(dtype
     assert not torch.equal(mine[:, written], caches[:, written])
 
 
-def test_only_llama_shaped_blocks_with_the_fusion_on_are_one_op(real_default_executors):
+def test_only_llama_shaped_blocks_are_one_op_and_only_with_the_executors_on():
     from thunder_batch.compile import block_op
+    from thunder_batch.compile.project_executor import native_linear
     from thunder_batch.program import StepProgram
 
-    defaults = real_default_executors()
-    without_fusion = [ex for ex in defaults if ex.name != "inductor"]
     for family, want in [("llama", True), ("pythia", False), ("gemma2", False)]:
         program = StepProgram(tiny_gpt(family), batch_size=2, max_seq_length=32, lane_len=4)
-        block_op.mark_blocks(program, without_fusion, rows=2)
+        block_op.mark_blocks(program, False, 2, native_linear)  # without the fusion, or the project's executor
         assert not any(b.one_call for b in program.blocks)
-        block_op.mark_blocks(program, defaults, rows=2)
+        block_op.mark_blocks(program, True, 2, native_linear)
         native = build.unavailable() is None
         assert [b.one_call for b in program.blocks] == [want and native] * len(program.blocks), family
 
@@ -91,6 +91,19 @@ def test_only_llama_shaped_blocks_with_the_fusion_on_are_one_op(real_default_exe
 PROMPTS = mixed_prompts(3, [2, 5, 7])
 # One step shape: no prefill lanes (prompts through the decode rows), one rung: every step is decode-only.
 CONFIG = dict(batch_size=2, max_seq_length=32, prefill_chunk=4, prefill_lanes=0, attention_lengths=(32,))
+
+
+@needs_kernels
+@pytest.mark.fusion
+def test_sliding_window_layers_and_partial_rotary_give_litgpts_tokens_as_one_op(tmp_path):
+    """A llama with a 6-token window on every layer (the op reads the window's mask kind) and half of each
+    head rotated (the rest passed through), outputs reaching past the window."""
+    overrides = dict(sliding_window_size=6, rotary_percentage=0.5)
+    engine = Engine(tiny_gpt("llama", **overrides), EngineConfig(**CONFIG, cache_dir=str(tmp_path)))
+    assert all(b.one_call for b in engine.runner.program.blocks)
+    prompts = mixed_prompts(2, [5, 3], seed=5)  # litgpt reads a prompt at most a window long
+    got = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=8))]
+    assert got == [litgpt_greedy(tiny_gpt("llama", **overrides), p, 8) for p in prompts]
 
 
 @needs_kernels

@@ -7,10 +7,13 @@ The compile layer marks the blocks the op takes (`mark_blocks`: `BlockStep.one_c
 kernels running each of the block's linears at the step's B rows and its attention, and with both the
 project's executor and the Inductor fusion among the executors (the op stands for the regions the fusion
 would make; without the fusion a compiled step runs eager's ops, bit for bit). Its pieces round where litgpt's
-modules do; the load-time check's eager side runs the same op (`ProjectKernelsMode`).
+modules do; the load-time check's eager side runs the same op (`ProjectKernelsMode`). The project's executor
+imports this module, so what it needs from the executor comes in as arguments.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -19,32 +22,30 @@ from thunder_batch import model
 from thunder_batch.compile.attention import DECODE_BLOCK, rows_op_runs
 
 
-def register(executor) -> None:
+def register(executor, run: Callable) -> None:
+    """The op on `executor`; `run`: an importable function calling `decode_block` with the executor's packed
+    weights (a stored program names it)."""
     if DECODE_BLOCK not in executor.opmap:
-        executor.register_operator(DECODE_BLOCK, meta=_meta, fn=decode_block, replaces=model.decode_block)
+        executor.register_operator(DECODE_BLOCK, meta=_meta, fn=run, replaces=model.decode_block)
 
 
-def decode_block(x, norm_1, norm_2, qkv, proj, fc_1, fc_2, mlp_proj, *rest) -> torch.Tensor:
-    """`model.decode_block` as one native call, from the linears' packed weights. rest: cos, sin, cache_k,
+def decode_block(packed_weights, x, norm_1, norm_2, qkv, proj, fc_1, fc_2, mlp_proj, *rest) -> torch.Tensor:
+    """`model.decode_block` as one native call, from the linears' packed copies. rest: cos, sin, cache_k,
     cache_v, rows, masks, kind, eps_1, eps_2, scale."""
-    from thunder_batch.compile.project_executor import PACKED
-
-    packed = [PACKED.get(w)[0] for w in (qkv, proj, fc_1, fc_2, mlp_proj)]
+    packed = [packed_weights.get(w)[0] for w in (qkv, proj, fc_1, fc_2, mlp_proj)]
     out_features = [qkv.shape[0], proj.shape[0], fc_1.shape[0], mlp_proj.shape[0]]
     return torch.ops.thunder_batch.decode_block.default(x, norm_1, norm_2, *packed, out_features, *rest)
 
 
-def mark_blocks(program, executors, rows: int) -> None:
-    """Sets each block's `one_call`: whether its decode-only steps (`rows` rows) run as the one op here."""
-    from thunder_batch.compile.fusion import EXECUTOR as FUSION
-    from thunder_batch.compile.project_executor import EXECUTOR
-
-    names = {getattr(ex, "name", ex) for ex in executors}
+def mark_blocks(program, executors_on: bool, rows: int, native_linear: Callable) -> None:
+    """Sets each block's `one_call`: whether its decode-only steps (`rows` rows) run as the one op here.
+    executors_on: the project's executor and the fusion are both among the program's executors;
+    native_linear(dtype, weight_shape, rows): whether a native kernel runs such a linear."""
     for block in program.blocks:
-        block.one_call = {EXECUTOR, FUSION} <= names and takes(block, rows)
+        block.one_call = executors_on and takes(block, rows, native_linear)
 
 
-def takes(step_block, rows: int) -> bool:
+def takes(step_block, rows: int, native_linear: Callable) -> bool:
     """Whether the native op runs this BlockStep's decode-only steps of `rows` rows."""
     from litgpt.model import LLaMAMLP, RMSNorm
 
@@ -62,25 +63,21 @@ def takes(step_block, rows: int) -> bool:
         return False
     linears = (block.attn.qkv, block.attn.proj, block.mlp.fc_1, block.mlp.fc_2, block.mlp.proj)
     return (
-        _linears_run(linears, norms, rows)
+        _linears_run(linears, norms, rows, native_linear)
         and cfg.rope_n_elem % 2 == 0
         and rows_op_runs(block.attn.qkv.weight.dtype, cfg.n_head, cfg.n_query_groups, cfg.head_size)
     )
 
 
-def _linears_run(linears, norms, rows: int) -> bool:
+def _linears_run(linears, norms, rows: int, native_linear: Callable) -> bool:
     """No biases, one float32 or bfloat16 dtype on CPU, and each linear on a native kernel at `rows` rows."""
-    from thunder_batch.compile.project_executor import claims_linear, native_bf16
-
     dtype = linears[0].weight.dtype
     tensors = [t for m in (*linears, *norms) for t in m.parameters()]
     if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors) or any(m.bias is not None for m in linears):
         return False
-    if dtype not in (torch.float32, torch.bfloat16):
-        return False
-    shapes = [tuple(m.weight.shape) for m in linears]
-    native = dtype == torch.float32 or all(native_bf16(shape[1]) for shape in shapes)
-    return native and all(claims_linear("cpu", [dtype], shape, rows) for shape in shapes)
+    return dtype in (torch.float32, torch.bfloat16) and all(
+        native_linear(dtype, tuple(m.weight.shape), rows) for m in linears
+    )
 
 
 def _meta(x, *args):

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from thunder_batch import fallbacks
+from thunder_batch import fallbacks, model
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import attention, block_op
 
@@ -61,7 +61,7 @@ def project_executor():
         op = executor.register_operator(LINEAR, meta=_linear_meta, fn=packed_linear)
         executor.register_implementation(ltorch.linear, op, checker=_claims)
     attention.register(executor)
-    block_op.register(executor)
+    block_op.register(executor, decode_block)
     return executor
 
 
@@ -125,6 +125,17 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     """`F.linear(x, w, bias)` from the packed copy of `w` (see the module docstring)."""
     packed, kernel = PACKED.get(w)
     return kernel(x, packed, bias, w.shape[0])
+
+
+def decode_block(*args) -> torch.Tensor:
+    """`model.decode_block` as the native op, from PACKED's copies of the linears (compile.block_op)."""
+    return block_op.decode_block(PACKED, *args)
+
+
+def native_linear(dtype: torch.dtype, weight_shape, rows: int) -> bool:
+    """Whether a native kernel (not torch's, not oneDNN's) runs a CPU linear of this dtype, weight and rows."""
+    native = dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16(weight_shape[1]))
+    return native and claims_linear("cpu", [dtype], weight_shape, rows)
 
 
 def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bool:
@@ -216,8 +227,8 @@ class ProjectKernelsMode(TorchFunctionMode):
             return packed_linear(*args, **kwargs)
         if func is F.scaled_dot_product_attention and attention.claims_tensors(*args, **kwargs):
             return attention.decode_attention(*args, **kwargs)
-        if func is block_op.model.decode_block:  # only the blocks `block_op.takes` call it
-            return block_op.decode_block(*args, **kwargs)
+        if func is model.decode_block:  # only the blocks `block_op.takes` call it
+            return decode_block(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -76,13 +76,16 @@ def _load_or_compile(program: StepProgram, config: EngineConfig, probe_inputs) -
     if config.compile == "eager" or config.trace == "step":
         return compile_program(program, config)
     import_thunder()  # the compat patches must come before any thunder import
-    from thunder_batch.compile import block_op, trace_speedups
+    from thunder_batch.compile import block_op, project_executor, trace_speedups
     from thunder_batch.compile.cache import EntryStore, resolve_root
+    from thunder_batch.compile.fusion import EXECUTOR as FUSION
     from thunder_batch.compile.layered import LayeredProgram
 
     trace_speedups.install()
     options = compile_options(config)
-    block_op.mark_blocks(program, options["executors"], config.batch_size)
+    names = {getattr(ex, "name", ex) for ex in options["executors"]}
+    executors_on = {project_executor.EXECUTOR, FUSION} <= names  # the op stands for the fusion's regions
+    block_op.mark_blocks(program, executors_on, config.batch_size, project_executor.native_linear)
     return LayeredProgram(
         program,
         config,
