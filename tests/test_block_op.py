@@ -15,15 +15,15 @@ from thunder_batch.compile.cache import CompileCacheWarning
 from thunder_batch.compile.step import execution_traces
 from thunder_batch.native import build
 
-from helpers import litgpt_greedy, mixed_prompts, tiny_gpt
+from helpers import VOCAB, litgpt_greedy, mixed_prompts, tiny_gpt
 
 needs_kernels = pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
 
 
-def block_inputs(dtype, n_elem: int, generator):
+def block_inputs(dtype, n_elem: int, qkv_bias: bool, generator):
     """Random inputs of `model.decode_block`: 3 slots at their own positions, C=128, H=4 over G=2 heads of
-    D=32, F=256 (the MLP's width); masks of two kinds (the second hides one more entry), the layer reading
-    the second."""
+    D=32, F=256 (the MLP's width); weights qkv, its bias (or None), proj, fc_1, fc_2, mlp_proj; masks of two
+    kinds (the second hides one more entry), the layer reading the second."""
     B, C, H, G, D, F, S, L = 3, 128, 4, 2, 32, 256, 24, 16
 
     def rand(*shape, scale=1.0):
@@ -37,6 +37,7 @@ def block_inputs(dtype, n_elem: int, generator):
     visible = torch.stack([torch.arange(L) <= pos.view(B, 1, 1, 1), torch.arange(L) < pos.view(B, 1, 1, 1)])
     masks = torch.where(visible | (pos.view(1, B, 1, 1, 1) == 0), 0.0, torch.finfo(dtype).min).to(dtype)
     weights = [rand(o, i, scale=i**-0.5) for o, i in [((H + 2 * G) * D, C), (C, H * D), (F, C), (F, C), (C, F)]]
+    weights.insert(1, rand((H + 2 * G) * D) if qkv_bias else None)
     caches = rand(2, B, G, S, D)
     rows = flat_rows(caches[0].shape, 2, torch.arange(B), pos)
     norms = [1 + rand(C, scale=0.1) for _ in range(2)]
@@ -45,8 +46,8 @@ def block_inputs(dtype, n_elem: int, generator):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_elem", [32, 16])  # full rotary, and half the head rotated
-def test_the_one_op_computes_the_models_block_and_writes_its_cache_entries(dtype, n_elem):
+@pytest.mark.parametrize("n_elem,qkv_bias", [(32, False), (16, False), (32, True)])  # half the head rotated; Qwen2
+def test_the_one_op_computes_the_models_block_and_writes_its_cache_entries(dtype, n_elem, qkv_bias):
     """The native op against `model.decode_block` run op by op (torch's kernels) and in float64: the same
     outputs within rounding, the same K and V entries written, every other entry untouched."""
     from thunder_batch import model
@@ -54,11 +55,13 @@ def test_the_one_op_computes_the_models_block_and_writes_its_cache_entries(dtype
     from thunder_batch.compile.project_executor import PACKED
 
     assert build.unavailable() is None
-    x, norms, weights, cos, sin, caches, rows, masks = block_inputs(dtype, n_elem, torch.Generator().manual_seed(3))
+    x, norms, weights, cos, sin, caches, rows, masks = block_inputs(
+        dtype, n_elem, qkv_bias, torch.Generator().manual_seed(3)
+    )
     mine, theirs = caches.clone(), caches.clone()
     got = block_op.decode_block(PACKED, x, *norms, *weights, cos, sin, *mine, rows, masks, 1, 1e-5, 1e-6, 0.2)
     want = model.decode_block(x, *norms, *weights, cos, sin, *theirs, rows, masks, 1, 1e-5, 1e-6, 0.2)
-    as64 = [t.double() for t in (x, *norms, *weights)]
+    as64 = [None if t is None else t.double() for t in (x, *norms, *weights)]
     exact_caches = caches.double().clone()
     exact = model.decode_block(
         *as64, cos.double(), sin.double(), *exact_caches, rows, masks.double(), 1, 1e-5, 1e-6, 0.2
@@ -104,6 +107,26 @@ def test_sliding_window_layers_and_partial_rotary_give_litgpts_tokens_as_one_op(
     prompts = mixed_prompts(2, [5, 3], seed=5)  # litgpt reads a prompt at most a window long
     got = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=8))]
     assert got == [litgpt_greedy(tiny_gpt("llama", **overrides), p, 8) for p in prompts]
+
+
+@needs_kernels
+@pytest.mark.fusion
+def test_qwen2s_qkv_bias_gives_litgpts_tokens_as_one_op(tmp_path):
+    """Qwen2.5 (a llama shape with a bias on qkv only), shrunk: its decode blocks are the one op."""
+    from litgpt import GPT, Config
+
+    from thunder_batch.bench.parity import random_weights
+
+    torch.manual_seed(0)
+    shape = dict(n_layer=2, n_embd=64, n_head=4, n_query_groups=2, head_size=16, intermediate_size=128)
+    config = Config.from_name("Qwen2.5-0.5B", **shape, block_size=64, vocab_size=VOCAB, padded_vocab_size=VOCAB)
+    gpt = GPT(config)
+    random_weights(gpt)
+    assert gpt.transformer.h[0].attn.qkv.bias is not None and gpt.transformer.h[0].attn.proj.bias is None
+    engine = Engine(gpt, EngineConfig(**CONFIG, cache_dir=str(tmp_path)))
+    assert all(b.one_call for b in engine.runner.program.blocks)
+    got = [r.token_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=5))]
+    assert got == [litgpt_greedy(gpt, p, 5) for p in PROMPTS]
 
 
 @needs_kernels

@@ -240,7 +240,8 @@ def block_forward(
 def _decode_block_of(block, cache, x, shared: StepShared, kind: int) -> torch.Tensor:
     """`decode_block` on this layer's weights and cache."""
     attn, mlp, norms = block.attn, block.mlp, (block.norm_1, block.norm_2)
-    weights = [m.weight for m in (*norms, attn.qkv, attn.proj, mlp.fc_1, mlp.fc_2, mlp.proj)]
+    linears = (attn.proj.weight, mlp.fc_1.weight, mlp.fc_2.weight, mlp.proj.weight)
+    weights = (norms[0].weight, norms[1].weight, attn.qkv.weight, attn.qkv.bias, *linears)
     caches = (cache.k, cache.v, shared.kv_rows, shared.decode_mask, kind)
     eps = (norms[0].eps, norms[1].eps)
     return decode_block(x, *weights, shared.cos, shared.sin, *caches, *eps, attention_scale(block.config))
@@ -259,6 +260,7 @@ def decode_block(
     norm_1,
     norm_2,
     qkv,
+    qkv_bias,
     proj,
     fc_1,
     fc_2,
@@ -275,17 +277,17 @@ def decode_block(
     scale,
 ) -> torch.Tensor:
     """A decode-only step's llama-shaped block (RMSNorm, RoPE'd grouped attention with its KV writes, SiLU-gated
-    MLP, no biases, residual adds in sequence) as litgpt's modules compute it; the project's executor runs it
-    as one native op (compile.block_op): one host call a layer instead of eleven. x: [B, C]; norms [C];
-    weights [out, in]; cos, sin: [B, 1, n_elem]; caches [B, G, S', D]; rows [B * G]; masks [K, B, 1, 1, L]
-    (`kind` picks this layer's) -> [B, C]. Under a torch function mode (the project's kernels in eager code,
-    as the load check runs it) the mode may run it as the executor does."""
-    args = (x, norm_1, norm_2, qkv, proj, fc_1, fc_2, mlp_proj, cos, sin, cache_k, cache_v, rows, masks, kind)
-    if has_torch_function(args[:14]):
-        return handle_torch_function(decode_block, args[:14], *args, eps_1, eps_2, scale)
+    MLP, no biases but qkv's, residual adds in sequence) as litgpt's modules compute it; the project's executor
+    runs it as one native op (compile.block_op): one host call a layer instead of eleven. x: [B, C]; norms [C];
+    weights [out, in]; qkv_bias [out] or None; cos, sin: [B, 1, n_elem]; caches [B, G, S', D]; rows [B * G];
+    masks [K, B, 1, 1, L] (`kind` picks this layer's) -> [B, C]. Under a torch function mode (the project's
+    kernels in eager code, as the load check runs it) the mode may run it as the executor does."""
+    tensors = (x, norm_1, norm_2, qkv, qkv_bias, proj, fc_1, fc_2, mlp_proj, cos, sin, cache_k, cache_v, rows, masks)
+    if has_torch_function(tensors):
+        return handle_torch_function(decode_block, tensors, *tensors, kind, eps_1, eps_2, scale)
     B, G, D = x.shape[0], cache_k.shape[1], cache_k.shape[3]
     H = qkv.shape[0] // D - 2 * G
-    q, k, v = F.linear(rms_norm(x, norm_1, eps_1), qkv).split((H * D, G * D, G * D), dim=-1)
+    q, k, v = F.linear(rms_norm(x, norm_1, eps_1), qkv, qkv_bias).split((H * D, G * D, G * D), dim=-1)
     q, k = _rope(q.view(B, H, D), cos, sin, False), _rope(k.view(B, G, D), cos, sin, False)
     y = decode_rows_attention(q, k, v.view(B, G, D), cache_k, cache_v, rows, masks[kind], scale)  # [B, H * D]
     x = F.linear(y, proj) + x

@@ -26,7 +26,7 @@ ROWS_ATTENTION = "thunder_batch_decode_rows_attention"
 SLOT_ROWS_ATTENTION = "thunder_batch_slot_rows_attention"
 DECODE_BLOCK = "thunder_batch_decode_block"  # a decode-only step's whole block (compile.block_op)
 # operator -> the arguments it writes in place (the caches)
-WRITES_IN_PLACE = {ROWS_ATTENTION: (3, 4), SLOT_ROWS_ATTENTION: (3, 4), DECODE_BLOCK: (10, 11)}
+WRITES_IN_PLACE = {ROWS_ATTENTION: (3, 4), SLOT_ROWS_ATTENTION: (3, 4), DECODE_BLOCK: (11, 12)}
 MAX_QUERIES = 16  # query rows per (slot, group): the kernel keeps them in registers and on its stack
 MAX_HEAD_SIZE = 256
 

@@ -1,6 +1,6 @@
 """A decode-only step's llama-shaped block as one operator of the project's executor: `model.decode_block`
-(RMSNorm, RoPE'd grouped attention with its K and V writes, a SiLU-gated MLP, no biases, residual adds in
-sequence) run by the native `decode_block`. Op by op a block was eleven host calls (five linears, the
+(RMSNorm, RoPE'd grouped attention with its K and V writes, a SiLU-gated MLP, no biases but qkv's, residual
+adds in sequence) run by the native `decode_block`. Op by op a block was eleven host calls (five linears, the
 attention op, five fused regions), each finding the host's caches cold after the weights streamed through.
 
 The compile layer marks the blocks the op takes (`mark_blocks`: `BlockStep.one_call`): on CPU, with the native
@@ -29,12 +29,14 @@ def register(executor, run: Callable) -> None:
         executor.register_operator(DECODE_BLOCK, meta=_meta, fn=run, replaces=model.decode_block)
 
 
-def decode_block(packed_weights, x, norm_1, norm_2, qkv, proj, fc_1, fc_2, mlp_proj, *rest) -> torch.Tensor:
+def decode_block(packed_weights, x, norm_1, norm_2, qkv, qkv_bias, proj, fc_1, fc_2, mlp_proj, *rest) -> torch.Tensor:
     """`model.decode_block` as one native call, from the linears' packed copies. rest: cos, sin, cache_k,
     cache_v, rows, masks, kind, eps_1, eps_2, scale."""
-    packed = [packed_weights.get(w)[0] for w in (qkv, proj, fc_1, fc_2, mlp_proj)]
     out_features = [qkv.shape[0], proj.shape[0], fc_1.shape[0], mlp_proj.shape[0]]
-    return torch.ops.thunder_batch.decode_block.default(x, norm_1, norm_2, *packed, out_features, *rest)
+    qkv, proj, fc_1, fc_2, mlp_proj = (packed_weights.get(w)[0] for w in (qkv, proj, fc_1, fc_2, mlp_proj))
+    return torch.ops.thunder_batch.decode_block.default(
+        x, norm_1, norm_2, qkv, qkv_bias, proj, fc_1, fc_2, mlp_proj, out_features, *rest
+    )
 
 
 def mark_blocks(program, executors_on: bool, rows: int, native_linear: Callable) -> None:
@@ -70,10 +72,11 @@ def takes(step_block, rows: int, native_linear: Callable) -> bool:
 
 
 def _linears_run(linears, norms, rows: int, native_linear: Callable) -> bool:
-    """No biases, one float32 or bfloat16 dtype on CPU, and each linear on a native kernel at `rows` rows."""
+    """No biases but qkv's (the first linear), one float32 or bfloat16 dtype on CPU, and each linear on a native
+    kernel at `rows` rows."""
     dtype = linears[0].weight.dtype
     tensors = [t for m in (*linears, *norms) for t in m.parameters()]
-    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors) or any(m.bias is not None for m in linears):
+    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors) or any(m.bias is not None for m in linears[1:]):
         return False
     return dtype in (torch.float32, torch.bfloat16) and all(
         native_linear(dtype, tuple(m.weight.shape), rows) for m in linears

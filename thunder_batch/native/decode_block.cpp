@@ -1,5 +1,5 @@
 // A decode-only step's whole transformer block in one call, for a llama-shaped block: RMSNorm, attention with
-// RoPE over grouped K/V heads, a SiLU-gated MLP, no biases, residual adds in sequence. The linears and the
+// RoPE over grouped K/V heads, a SiLU-gated MLP, no biases but qkv's (Qwen2), residual adds in sequence. The linears and the
 // attention (with its K and V writes) are the kernels the step runs op by op; the norms, RoPE, the SiLU
 // product and the residual adds between them are AVX2 loops here, rounded where litgpt's modules round
 // (float32 math, one rounding to the model's dtype per module): RoPE and the adds give torch's bits, the
@@ -181,16 +181,18 @@ at::Tensor& add_into(at::Tensor& y, const at::Tensor& x) {  // contiguous, alike
   return y;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  if (x.scalar_type() == at::kFloat) return packed::packed_linear(x, packed, c10::nullopt, out_features);
-  return packed::packed_linear_bf16(x, packed, c10::nullopt, out_features);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                  const c10::optional<at::Tensor>& bias = c10::nullopt) {
+  if (x.scalar_type() == at::kFloat) return packed::packed_linear(x, packed, bias, out_features);
+  return packed::packed_linear_bf16(x, packed, bias, out_features);
 }
 
 // x [B, C] -> the block's output [B, C]. norm weights [C]; the linears' weights packed (qkv, proj, fc_1, fc_2,
-// mlp_proj; out_features: qkv's, proj's, fc_1's = fc_2's, mlp_proj's); cos, sin [B, 1, n] float32; caches
+// mlp_proj; out_features: qkv's, proj's, fc_1's = fc_2's, mlp_proj's); qkv's bias, if any (Qwen2's); cos, sin
+// [B, 1, n] float32; caches
 // [B, G, S', D] written at rows [B * G]; masks [K, B, 1, 1, L], `kind` the one this layer reads.
 at::Tensor decode_block(const at::Tensor& x, const at::Tensor& norm_1, const at::Tensor& norm_2, const at::Tensor& qkv,
-                        const at::Tensor& proj, const at::Tensor& fc_1, const at::Tensor& fc_2,
+                        const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& proj, const at::Tensor& fc_1, const at::Tensor& fc_2,
                         const at::Tensor& mlp_proj, at::IntArrayRef out_features, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor cache_k, at::Tensor cache_v, const at::Tensor& rows,
                         const at::Tensor& masks, int64_t kind, double eps_1, double eps_2, double scale) {
@@ -208,7 +210,7 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& norm_1, const at:
               "decode_block: contiguous float32 cos, sin [B, 1, n], n even and <= D");
   TORCH_CHECK(H > 0 && out_features[0] == (H + 2 * G) * D && kind >= 0 && kind < masks.size(0),
               "decode_block: qkv's out_features (H + 2G) * D, a mask kind in range");
-  at::Tensor heads = linear(rms_norm(x, norm_1, eps_1), qkv, out_features[0]);  // [B, (H + 2G) * D]
+  at::Tensor heads = linear(rms_norm(x, norm_1, eps_1), qkv, out_features[0], qkv_bias);  // [B, (H + 2G) * D]
   at::Tensor q = at::empty({B, H, D}, x.options()), k = at::empty({B, G, D}, x.options());
   rope(heads, cos, sin, q, k);
   const at::Tensor v = heads.narrow(1, (H + G) * D, G * D).view({B, G, D});
@@ -226,7 +228,8 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& norm_1, const at:
 
 TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
   m.def(
-      "decode_block(Tensor x, Tensor norm_1, Tensor norm_2, Tensor qkv, Tensor proj, Tensor fc_1, Tensor fc_2, "
+      "decode_block(Tensor x, Tensor norm_1, Tensor norm_2, Tensor qkv, Tensor? qkv_bias, Tensor proj, Tensor fc_1, "
+      "Tensor fc_2, "
       "Tensor mlp_proj, int[] out_features, Tensor cos, Tensor sin, Tensor(a!) cache_k, Tensor(b!) cache_v, "
       "Tensor rows, Tensor masks, int kind, float eps_1, float eps_2, float scale) -> Tensor");
 }
