@@ -20,8 +20,8 @@
 #include <cstring>
 #include <vector>
 
-#include "exp_avx2.h"
 #include "ops.h"
+#include "vector_avx2.h"
 #include "work_sharing.h"
 
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -31,13 +31,8 @@ namespace {
 constexpr int64_t kMaxQ = 16, kMaxD = 256;
 constexpr float kHidden = -1e30f;  // a mask value at or below this hides its entry
 
-AVX2 inline float widen(float x) { return x; }
-AVX2 inline float widen(at::BFloat16 x) {
-  uint32_t bits = uint32_t(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using packed::load8;
+using packed::widen;
 
 AVX2 inline float dot(const float* a, const float* b, int64_t D) {
   __m256 s = _mm256_setzero_ps();
@@ -72,12 +67,6 @@ AVX2 void softmax(float* row, int64_t L) {  // in place
 // Entries the mask hides (<= kHidden: litgpt's and our masks use -inf or the dtype's lowest value)
 // weigh exactly 0 in the softmax whenever one entry is visible, so they are never read: a slot reads
 // its live entries only. With none visible (an idle or padding row, never read) the output is 0.
-AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-AVX2 inline __m256 load8(const at::BFloat16* p) {  // 8 bfloat16 widened: each the high half of a float32
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 // [sum(a), sum(b), sum(c), sum(d)]: four dot products' partial sums reduced together.
 AVX2 inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));

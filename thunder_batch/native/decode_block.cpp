@@ -1,6 +1,6 @@
 // A decode-only step's whole transformer block in one call, for a llama-shaped block: RMSNorm, attention with
-// RoPE over grouped K/V heads, a SiLU-gated MLP, no biases but qkv's (Qwen2), residual adds in sequence. The linears and the
-// attention (with its K and V writes) are the kernels the step runs op by op; the norms, RoPE, the SiLU
+// RoPE over grouped K/V heads, a SiLU-gated MLP, no biases but qkv's (Qwen2), residual adds in sequence. The
+// linears and the attention (with its K and V writes) are the kernels the step runs op by op; the norms, RoPE, the SiLU
 // product and the residual adds between them are AVX2 loops here, rounded where litgpt's modules round
 // (float32 math, one rounding to the model's dtype per module): RoPE and the adds give torch's bits, the
 // norm's sum and SiLU's exp agree within float32 rounding. One host call a layer instead of eleven (five
@@ -15,9 +15,9 @@
 #include <cstring>
 #include <immintrin.h>
 
-#include "exp_avx2.h"
 #include "ops.h"
 #include "packed_tiles.h"
+#include "vector_avx2.h"
 
 // Vector code without FMA: GCC vectorizes these loops, and no product is fused into a sum (torch's bits).
 #define VECTOR __attribute__((target("avx2")))
@@ -26,35 +26,10 @@ namespace {
 
 using packed::bf16;
 
-VECTOR inline float widen(float v) { return v; }
-VECTOR inline float widen(bf16 v) {
-  const uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-VECTOR inline void put(float& out, float v) { out = v; }
-VECTOR inline void put(bf16& out, float v) {  // torch's float -> bfloat16: to nearest even, NaN kept
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  out = std::isnan(v) ? bf16(0x7fc0) : bf16((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
-// Eight values as float32, and back with `put`'s rounding.
-VECTOR inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-VECTOR inline __m256 load8(const bf16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-VECTOR inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-VECTOR inline void store8(bf16* p, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
-  const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), halves);
-}
+using packed::load8;
+using packed::put;
+using packed::store8;
+using packed::widen;
 
 // litgpt's RMSNorm over the last dim (no unit offset): (x * rsqrt(mean(x^2) + eps)) * w in float32, rounded
 // once. x, out [B, C]; w [C].
