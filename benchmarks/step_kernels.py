@@ -81,7 +81,7 @@ def decode_engine(gpt, system: str, batch_size: int, max_seq_length: int, cache_
 
 SPLIT = {  # part of the step -> profiler event names (substrings) of its top-level ops
     # a decode-only step's llama-shaped layer as one op (compile.block_op): its linears and attention inside
-    "blocks": ("thunder_batch::decode_block",),
+    "blocks": ("thunder_batch::decode_block", "thunder_batch::decode_stack"),
     "linears": (*LINEAR_OPS, "aten::linear"),
     # thunder_batch::decode_attention; decode_rows_attention (a decode-only step's) and slot_rows_attention
     # (a verify step's), with their KV writes

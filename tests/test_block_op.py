@@ -141,8 +141,38 @@ def test_a_compiled_engine_runs_each_decode_block_as_one_op_with_litgpts_tokens_
     block = next(t for t in traces if any(b.sym.name == DECODE_BLOCK for b in t.bound_symbols))
     calls = [b.sym.name for b in block.bound_symbols if b.sym.name not in ("unpack_trivial", "del", "python_return")]
     assert calls == [DECODE_BLOCK], calls  # the block program: one call
+    assert first.stats()["stacked_shapes"] == 1  # the decode shape's layers: one native call
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileCacheWarning)  # the stored program passes its load-time check
         second = Engine(tiny_gpt("llama"), EngineConfig(**CONFIG, cache_dir=str(tmp_path)))
         assert greedy(second) == greedy(first)
-    assert second.stats()["traced"] == 0
+    assert (second.stats()["traced"], second.stats()["stacked_shapes"]) == (0, 1)
+
+
+@needs_kernels
+@pytest.mark.fusion
+def test_the_layers_as_one_native_call_follow_a_weight_edited_in_place(tmp_path):
+    """Once a shape's layers are settled they run as one native loop (BlockStack); a weight edited in place
+    mid-request stops it, the layers' programs pack the weight again, and the loop is made anew. Step by step,
+    on shared weights, the tokens are the eager engine's before and after the edit."""
+    gpt = tiny_gpt("llama")
+    compiled = Engine(gpt, EngineConfig(**CONFIG, cache_dir=str(tmp_path)))
+    eager = Engine(gpt, EngineConfig(**CONFIG, compile="eager"))
+    tokens = {compiled: {}, eager: {}}
+    for engine in (compiled, eager):
+        for n, prompt in enumerate(PROMPTS[:2]):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=14), request_id=n)
+    stacks = []
+    for step in range(24):
+        if step == 12:  # both requests decoding, their layers one native call
+            stacks.append(compiled.runner.step_fn._shapes[2, 32].stack)
+            with torch.no_grad():
+                gpt.transformer.h[1].mlp.fc_2.weight.mul_(-1)
+        for engine in (compiled, eager):
+            for out in engine.step():
+                tokens[engine].setdefault(out.request_id, []).extend(out.token_ids)
+        if step == 12:
+            stacks.append(compiled.runner.step_fn._shapes[2, 32].stack)
+    assert tokens[compiled] == tokens[eager] and [len(t) for t in tokens[eager].values()] == [14, 14]
+    assert None not in stacks and stacks[1] is not stacks[0]
+    assert not stacks[0].native.current() and stacks[1].native.current()  # the old loop's copy is stale

@@ -9,6 +9,9 @@ project's executor and the Inductor fusion among the executors (the op stands fo
 would make; without the fusion a compiled step runs eager's ops, bit for bit). Its pieces round where litgpt's
 modules do; the load-time check's eager side runs the same op (`ProjectKernelsMode`). The project's executor
 imports this module, so what it needs from the executor comes in as arguments.
+
+Where every layer's program of a step shape is that one op, the layered program runs the layers from one native
+loop (`BlockStack`): the same op calls in the same order, their arguments taken from one recorded step.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from thunder_batch import model
 from thunder_batch.compile.attention import DECODE_BLOCK, rows_op_runs
@@ -87,3 +91,63 @@ def _meta(x, *args):
     from thunder.core.proxies import TensorProxy
 
     return TensorProxy(like=x)
+
+
+# decode_block's arguments that every layer of a step shares and that change every step (the rest stay bound)
+_STEP_ARGS = {"cos": 10, "sin": 11, "rows": 14, "masks": 15}
+_PACKED_ARGS = (3, 5, 6, 7, 8)  # the linears' packed copies
+
+
+class OpCalls(TorchDispatchMode):
+    """Records the native decode_block's calls made under it: (arguments, output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.thunder_batch.decode_block.default:
+            self.calls.append((args, out))
+        return out
+
+
+class BlockStack:
+    """The layers of a step shape as one native call (native `DecodeStack`), from a step's recorded op calls.
+    Called with the layers' inputs (x, *shared) -> the last layer's output, or None once a weight behind a
+    packed copy changed in place (the layers' programs then run, and pack it again)."""
+
+    def __init__(self, native, shared_at: list[int]) -> None:
+        self.native, self.shared_at = native, shared_at
+
+    def __call__(self, x: torch.Tensor, shared: list) -> torch.Tensor | None:
+        return torch.ops.thunder_batch.decode_stack.default(self.native, x, *(shared[i] for i in self.shared_at))
+
+    @classmethod
+    def of(cls, recorded: OpCalls, layers: int, x, shared: list, sources: dict) -> BlockStack | None:
+        """From one step's calls (the blocks', inputs x, *shared), if each of the `layers` layers made exactly
+        the one op, chained, on the same shared inputs; sources: id(packed copy) -> its weight."""
+        calls = recorded.calls
+        if len(calls) != layers or not calls or not _chained(calls, x):
+            return None
+        first = calls[0][0]
+        shared_at = [next((i for i, t in enumerate(shared) if t is first[j]), None) for j in _STEP_ARGS.values()]
+        watched = [sources.get(id(args[j])) for args, _ in calls for j in _PACKED_ARGS]
+        if None in shared_at or any(w is None for w in watched):
+            return None
+        native = torch.classes.thunder_batch.DecodeStack()
+        for args, _ in calls:  # add_layer: decode_block's arguments but x and _STEP_ARGS
+            native.add_layer(*args[1:9], list(args[9]), *args[12:14], *args[16:])
+        for weight in watched:
+            native.watch(weight)
+        return cls(native, shared_at)
+
+
+def _chained(calls: list, x: torch.Tensor) -> bool:
+    """Whether each call takes the previous one's output (the first: x) and the first call's step arguments."""
+    inputs = [x] + [out for _, out in calls[:-1]]
+    first = calls[0][0]
+    return all(
+        args[0] is x_in and all(args[j] is first[j] for j in _STEP_ARGS.values())
+        for (args, _), x_in in zip(calls, inputs, strict=True)
+    )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from thunder_batch._compat import import_thunder
+from thunder_batch.compile.block_op import BlockStack, OpCalls
 from thunder_batch.compile.cache import EntryStore, warn
 from thunder_batch.compile.fused_region import artifacts_in, has_regions
 from thunder_batch.compile.fusion import EXECUTOR as FUSION
@@ -49,6 +50,8 @@ class _Shape:
         self.heads = heads
         self.shared = SharedTraces(ignored)
         self.blocks_settled = False  # every layer has its program (and they are stored)
+        self.stack: BlockStack | None = None  # the layers as one native call (block_op)
+        self.may_stack = True  # until a settled step's layers show they are not all the one op
 
 
 class LayeredProgram:
@@ -116,12 +119,7 @@ class LayeredProgram:
         if shape is None:
             shape = self._shapes[rows, length] = _Shape(rows, length, self.ignored, self._heads.setdefault(rows, {}))
         x, *shared = self._prefix(shape, (idx, input_pos, row_slot, key_pos))
-        for i in range(len(self.program.blocks)):
-            x = self._block(shape, i, (x, *shared))
-        if not shape.blocks_settled:
-            shape.blocks_settled = True
-            if self.entries is not None:
-                self.entries.save_blocks(shape.shared, (x, *shared))
+        x = self._blocks(shape, x, shared)
         head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed, target)
         if isinstance(head, tuple):  # a warm-up: every head on one run of the layers
             return tuple(self._head(shape, h, head_args) for h in head)
@@ -155,6 +153,28 @@ class LayeredProgram:
                 x, *shared = self.program.prefix(idx, input_pos, row_slot, key_pos)
             shape.probe = _Probe((idx, input_pos, row_slot, key_pos), (x, *shared), (x, input_pos, *sampling))
         return shape.probe
+
+    def _blocks(self, shape: _Shape, x: torch.Tensor, shared: list) -> torch.Tensor:
+        """The layers, each its program; once they are settled and each is the one native block op (block_op),
+        the same op calls from one native loop (BlockStack) without a Python frame per layer."""
+        if shape.stack is not None:
+            out = shape.stack(x, shared)
+            if out is not None:
+                return out
+            shape.stack = None  # a weight changed in place: its layer's program packs it again
+        record = shape.blocks_settled and shape.may_stack
+        with OpCalls() if record else contextlib.nullcontext() as calls:
+            x_in = x
+            for i in range(len(self.program.blocks)):
+                x = self._block(shape, i, (x, *shared))
+        if record:
+            shape.stack = BlockStack.of(calls, len(self.program.blocks), x_in, shared, PACKED.sources())
+            shape.may_stack = shape.stack is not None
+        if not shape.blocks_settled:
+            shape.blocks_settled = True
+            if self.entries is not None:
+                self.entries.save_blocks(shape.shared, (x, *shared))
+        return x
 
     def _block(self, shape: _Shape, i: int, args: tuple):
         fn = shape.blocks.get(i)
@@ -283,6 +303,7 @@ class LayeredProgram:
             disk_cache_hits=sum(self.loaded.values()),
             compile_seconds=sum(self.seconds.values()),
             compile_seconds_by_piece={kind: round(s, 3) for kind, s in self.seconds.items()},
+            stacked_shapes=sum(shape.stack is not None for shape in self._shapes.values()),
         )
 
     def execution_traces(self) -> list:

@@ -86,6 +86,11 @@ class PackedWeights:
         entry = self._packed.get(id(w))
         return entry is not None and entry[0]() is w and entry[1] == w._version
 
+    def sources(self) -> dict[int, torch.Tensor]:
+        """id(packed copy) -> the live weight it is the current copy of."""
+        entries = [(entry[0](), entry) for entry in self._packed.values()]
+        return {id(entry[2]): w for w, entry in entries if w is not None and entry[1] == w._version}
+
     def pack_as(self, done: list, todo: list) -> None:
         """Packs each weight of `todo` whose counterpart in `done` (another layer's inputs to the same
         program, in the same order) is packed: a layer bound without running gets what it will read."""

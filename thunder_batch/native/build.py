@@ -30,6 +30,7 @@ SOURCES = [
         "packed_linear_amx.cpp",
         "decode_attention.cpp",
         "decode_block.cpp",
+        "decode_stack.cpp",
         "work_sharing.cpp",
     )
 ]

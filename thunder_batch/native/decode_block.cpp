@@ -162,6 +162,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   return packed::packed_linear_bf16(x, packed, bias, out_features);
 }
 
+}  // namespace
+
+namespace packed {
+
 // x [B, C] -> the block's output [B, C]. norm weights [C]; the linears' weights packed (qkv, proj, fc_1, fc_2,
 // mlp_proj; out_features: qkv's, proj's, fc_1's = fc_2's, mlp_proj's); qkv's bias, if any (Qwen2's); cos, sin
 // [B, 1, n] float32; caches
@@ -199,7 +203,7 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& norm_1, const at:
   return add_into(out, attended);
 }
 
-}  // namespace
+}  // namespace packed
 
 TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
   m.def(
@@ -209,4 +213,4 @@ TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
       "Tensor rows, Tensor masks, int kind, float eps_1, float eps_2, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(thunder_batch, CPU, m) { m.impl("decode_block", decode_block); }
+TORCH_LIBRARY_IMPL(thunder_batch, CPU, m) { m.impl("decode_block", packed::decode_block); }

@@ -1,5 +1,5 @@
-// The ops that other native ops call directly (decode_block.cpp), defined in their own files; each is also
-// registered with torch as `thunder_batch::<name>`.
+// The ops that other native ops call directly (decode_block.cpp, decode_stack.cpp), defined in their own
+// files; each is also registered with torch as `thunder_batch::<name>`.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,5 +15,13 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, con
 // A decode-only step's attention with its K and V writes (decode_attention.cpp).
 at::Tensor decode_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
                                  at::Tensor cache_v, const at::Tensor& rows, const at::Tensor& mask, double scale);
+
+// A decode-only step's llama-shaped block, one call (decode_block.cpp).
+at::Tensor decode_block(const at::Tensor& x, const at::Tensor& norm_1, const at::Tensor& norm_2, const at::Tensor& qkv,
+                        const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& proj, const at::Tensor& fc_1,
+                        const at::Tensor& fc_2, const at::Tensor& mlp_proj, at::IntArrayRef out_features,
+                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor cache_k, at::Tensor cache_v,
+                        const at::Tensor& rows, const at::Tensor& masks, int64_t kind, double eps_1, double eps_2,
+                        double scale);
 
 }  // namespace packed
