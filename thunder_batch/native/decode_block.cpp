@@ -175,6 +175,8 @@ at::Tensor decode_block(const at::Tensor& x, const at::Tensor& norm_1, const at:
                         const at::Tensor& mlp_proj, at::IntArrayRef out_features, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor cache_k, at::Tensor cache_v, const at::Tensor& rows,
                         const at::Tensor& masks, int64_t kind, double eps_1, double eps_2, double scale) {
+  // The block's own tensors need no autograd or view tracking: its inner ops skip those dispatch layers.
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_block: float32 or bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out_features.size() == 4 && cache_k.dim() == 4,
