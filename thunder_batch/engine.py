@@ -296,7 +296,8 @@ class Engine:
         head variants),
         `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache),
         `thunder_traces` (traces Thunder itself counts: a retrace shows here), and `compile_seconds`
-        (per piece: `compile_seconds_by_piece`); with speculative decoding, `speculative`: verify steps,
+        (per piece: `compile_seconds_by_piece`), `stacked_shapes` (step shapes whose layers run as one native
+        loop: compile.block_op); with speculative decoding, `speculative`: verify steps,
         draft tokens proposed and accepted."""
         computed, scheduler = self._counters["prompt_tokens"], self.scheduler
         return dict(

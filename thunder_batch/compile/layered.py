@@ -51,7 +51,7 @@ class _Shape:
         self.shared = SharedTraces(ignored)
         self.blocks_settled = False  # every layer has its program (and they are stored)
         self.stack: BlockStack | None = None  # the layers as one native call (block_op)
-        self.may_stack = True  # until a settled step's layers show they are not all the one op
+        self.may_stack = False  # decode-only, every layer marked for the one op: until a step shows otherwise
 
 
 class LayeredProgram:
@@ -118,6 +118,7 @@ class LayeredProgram:
         shape = self._shapes.get((rows, length))
         if shape is None:
             shape = self._shapes[rows, length] = _Shape(rows, length, self.ignored, self._heads.setdefault(rows, {}))
+            shape.may_stack = self._may_stack(rows)
         x, *shared = self._prefix(shape, (idx, input_pos, row_slot, key_pos))
         x = self._blocks(shape, x, shared)
         head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed, target)
@@ -162,9 +163,8 @@ class LayeredProgram:
             if out is not None:
                 return out
             shape.stack = None  # a weight changed in place: its layer's program packs it again
-        record = shape.blocks_settled and shape.may_stack
+        record, x_in = shape.blocks_settled and shape.may_stack, x
         with OpCalls() if record else contextlib.nullcontext() as calls:
-            x_in = x
             for i in range(len(self.program.blocks)):
                 x = self._block(shape, i, (x, *shared))
         if record:
@@ -175,6 +175,11 @@ class LayeredProgram:
             if self.entries is not None:
                 self.entries.save_blocks(shape.shared, (x, *shared))
         return x
+
+    def _may_stack(self, rows: int) -> bool:
+        """Whether steps of `rows` rows are decode-only and every layer is marked to run them as the one op."""
+        blocks = self.program.blocks
+        return rows == blocks[0].cache.k.shape[0] and all(block.one_call for block in blocks)
 
     def _block(self, shape: _Shape, i: int, args: tuple):
         fn = shape.blocks.get(i)
