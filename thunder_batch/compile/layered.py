@@ -5,7 +5,8 @@ or loaded from the compile cache.
 Layers share a block trace whenever Thunder's prologue checks would accept them (see `pieces`), so
 a cold compile traces two or three blocks, not the model's depth. A stored piece is checked on
 first use against the eager module on the same inputs (outputs and in-place cache writes) and
-retraced, with one warning, if it disagrees.
+retraced, with one warning, if it disagrees. Where a decode-only shape's every layer program is the one
+native block op, the layers then run as one native loop of those op calls (block_op.BlockStack).
 """
 
 from __future__ import annotations
