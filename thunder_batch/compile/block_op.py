@@ -94,8 +94,14 @@ def _meta(x, *args):
 
 
 # decode_block's arguments that every layer of a step shares and that change every step (the rest stay bound)
-_STEP_ARGS = {"cos": 10, "sin": 11, "rows": 14, "masks": 15}
-_PACKED_ARGS = (3, 5, 6, 7, 8)  # the linears' packed copies
+_STEP_ARGS = ("cos", "sin", "rows", "masks")
+_PACKED_ARGS = ("qkv", "proj", "fc_1", "fc_2", "mlp_proj")  # the linears' packed copies
+
+
+def _positions(names) -> list[int]:
+    """Where the native decode_block takes these arguments (its schema's names)."""
+    arguments = [a.name for a in torch.ops.thunder_batch.decode_block.default._schema.arguments]
+    return [arguments.index(name) for name in names]
 
 
 class OpCalls(TorchDispatchMode):
@@ -127,27 +133,28 @@ class BlockStack:
     def of(cls, recorded: OpCalls, layers: int, x, shared: list, sources: dict) -> BlockStack | None:
         """From one step's calls (the blocks', inputs x, *shared), if each of the `layers` layers made exactly
         the one op, chained, on the same shared inputs; sources: id(packed copy) -> its weight."""
-        calls = recorded.calls
-        if len(calls) != layers or not calls or not _chained(calls, x):
+        calls, step_args = recorded.calls, _positions(_STEP_ARGS)
+        if len(calls) != layers or not calls or not _chained(calls, x, step_args):
             return None
         first = calls[0][0]
-        shared_at = [next((i for i, t in enumerate(shared) if t is first[j]), None) for j in _STEP_ARGS.values()]
-        watched = [sources.get(id(args[j])) for args, _ in calls for j in _PACKED_ARGS]
+        shared_at = [next((i for i, t in enumerate(shared) if t is first[j]), None) for j in step_args]
+        watched = [sources.get(id(args[j])) for args, _ in calls for j in _positions(_PACKED_ARGS)]
         if None in shared_at or any(w is None for w in watched):
             return None
         native = torch.classes.thunder_batch.DecodeStack()
-        for args, _ in calls:  # add_layer: decode_block's arguments but x and _STEP_ARGS
-            native.add_layer(*args[1:9], list(args[9]), *args[12:14], *args[16:])
+        bound = [i for i in range(1, len(first)) if i not in step_args]  # add_layer: all but x and the step's
+        for args, _ in calls:
+            native.add_layer(*(args[i] for i in bound))
         for weight in watched:
             native.watch(weight)
         return cls(native, shared_at)
 
 
-def _chained(calls: list, x: torch.Tensor) -> bool:
+def _chained(calls: list, x: torch.Tensor, step_args: list[int]) -> bool:
     """Whether each call takes the previous one's output (the first: x) and the first call's step arguments."""
     inputs = [x] + [out for _, out in calls[:-1]]
     first = calls[0][0]
     return all(
-        args[0] is x_in and all(args[j] is first[j] for j in _STEP_ARGS.values())
+        args[0] is x_in and all(args[j] is first[j] for j in step_args)
         for (args, _), x_in in zip(calls, inputs, strict=True)
     )
