@@ -116,3 +116,10 @@ def _contents(cell):
         return cell.cell_contents
     except ValueError:  # an empty cell
         return None
+
+
+def rebind_thunder_module(jitted) -> None:
+    """A Thunder-jitted module reads its model's parameters from a name -> tensor table made when it was
+    jitted (Thunder's private `_overrides_parameters`); after a parameter was replaced by a new tensor the
+    table is made again from the model, so the next call reads the new one."""
+    jitted._overrides_parameters = dict(jitted._model.named_parameters())

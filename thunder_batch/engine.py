@@ -166,9 +166,26 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every slot's kept tokens, so no later prompt reuses cache entries computed before now.
-        Running requests go on with their own entries. An edit of the model's weights (in place, or a new
-        tensor) does this by itself at the next step (`Runner.weights_changed`)."""
+        Running requests go on with their own entries. A change of the model's weights that the engine sees
+        (in place, a new tensor, new data: see `update_weights`) does this by itself at the next step."""
         self.scheduler.drop_kept()
+
+    # -- weights ------------------------------------------------------------------------------
+    def update_weights(self, weights) -> None:
+        """Copy new weights into the model in place: `weights` is a state dict or (name, tensor) pairs, names as
+        in `model.state_dict()`, any subset. Every name and shape is checked first (ValueError naming the bad
+        one, nothing written). No retrace; packed copies are made now; kept prefixes are dropped. Safe between
+        steps while requests run: their next tokens use the new weights (an RL loop's weight sync)."""
+        self.runner.update_weights(weights)
+        self.reset_prefix_cache()
+
+    def refresh_weights(self) -> None:
+        """Read every weight afresh after writes that no version counter sees (`p.data.copy_(t)`, writes through
+        another view of the memory): packed copies made again, kept prefixes dropped, nothing retraced. Edits
+        in place (`p.mul_()`), new tensors (`load_state_dict(sd, assign=True)`) and new data (`p.data = t`)
+        are followed without it."""
+        self.runner.refresh_weights()
+        self.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -176,8 +193,8 @@ class Engine:
     # -- the one primitive --------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Admit waiting requests into free slots, run one step, and return what it produced."""
-        # Kept entries computed by other weights must not be reused: checked when a prompt may be admitted.
-        if self.scheduler.waiting and self.runner.weights_changed():
+        # The programs follow replaced weights; kept entries computed by other weights must not be reused.
+        if self.runner.follow_weights():
             self.reset_prefix_cache()
         plan = self.scheduler.schedule()
         if plan is None:
@@ -224,6 +241,8 @@ class Engine:
         """A verify lane's tokens (drafts.accepted_tokens) appended one by one, as plain decoding would
         append them, up to the one that finishes the request; its kept entries end at the last one fed."""
         request, first = work.request, work.lane * (self.config.speculative_tokens + 1)
+        if request.num_cached < len(request.prompt_ids):  # the pending token fed is the prompt's last
+            self._counters["prompt_tokens"] += 1
         samples = result.verify_tokens[first : first + len(work.token_ids)]
         tokens = accepted_tokens(work.draft, samples)
         self.drafter.record(work, len(tokens) - 1)

@@ -11,6 +11,8 @@ and counted every time it is taken; `Engine.stats()["fallbacks"]` shows the coun
 - `moe_layout`: torch's grouped matmul does not run a mixture-of-experts layer here: the gathered or
   dense layout runs instead (more FLOPs).
 - `cuda_graph_capture`: a step shape could not be captured in a CUDA graph: it runs uncaptured.
+- `native_loop`: a step shape's layers as one native loop failed its check against the layers'
+  programs on its first step: the programs run, a call each.
 """
 
 from __future__ import annotations

@@ -164,18 +164,36 @@ def _glu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
-@torch.no_grad()
 def _stack(per_expert: list[list[torch.Tensor]]) -> torch.Tensor:
     """Each expert's tensors, concatenated along dim 0, stacked: [E, rows, ...]. Each tensor then
     becomes a view of the stack (same values and layout, one copy in memory)."""
     first = per_expert[0][0]
     rows = sum(t.shape[0] for t in per_expert[0])
     stack = torch.empty((len(per_expert), rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
+    _into(stack, per_expert)
+    return stack
+
+
+@torch.no_grad()
+def _into(stack: torch.Tensor, per_expert: list[list[torch.Tensor]]) -> None:
+    """Each expert tensor that is not yet its view of `stack` is copied in and becomes that view."""
     for e, tensors in enumerate(per_expert):
         start = 0
         for t in tensors:
             view = stack[e, start : start + t.shape[0]]
-            view.copy_(t)
-            t.data = view  # the expert now reads the stack: litgpt's own forward is unchanged
+            if t.data_ptr() != view.data_ptr():
+                view.copy_(t)
+                t.data = view  # the expert now reads the stack: litgpt's own forward is unchanged
             start += t.shape[0]
-    return stack
+
+
+def restack(experts: StackedExperts, moe: LLaMAMoE) -> None:
+    """After the model's expert weights were replaced (new tensors, or new data: no longer views of the
+    stacks), their values go into the stacks and they become views again. Weights edited in place need
+    nothing: they are the stacks."""
+    fc, proj = [[m.fc_1, m.fc_2] for m in moe.experts], [[m.proj] for m in moe.experts]
+    _into(experts.fc, [[linear.weight for linear in e] for e in fc])
+    _into(experts.proj, [[linear.weight for linear in e] for e in proj])
+    if experts.fc_bias is not None:
+        _into(experts.fc_bias, [[linear.bias for linear in e] for e in fc])
+        _into(experts.proj_bias, [[linear.bias for linear in e] for e in proj])

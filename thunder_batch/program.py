@@ -55,11 +55,12 @@ class BlockStep(nn.Module):
     experts) are the block's own attributes, so Thunder checks them: layers differing in them never
     share a trace (litgpt's block_idx, which they follow from, is learned not to matter)."""
 
-    def __init__(self, block: nn.Module, cache: SlotKVCache, lane_len: int, verify: bool = False) -> None:
+    def __init__(self, block: nn.Module, cache: SlotKVCache, lane_len: int, verify_of: BlockStep | None = None) -> None:
         super().__init__()
-        self.block, self.cache, self.lane_len, self.verify = block, cache, lane_len, verify
+        self.block, self.cache, self.lane_len, self.verify = block, cache, lane_len, verify_of is not None
         self.rope_table = rope_table(block.config, block.attn.block_idx)
-        self.experts = fixed_shape_mlp(block)
+        # A verify program's layer shares its step program's stacked experts: one stack the model's experts view.
+        self.experts = fixed_shape_mlp(block) if verify_of is None else verify_of.experts
         self.one_call = False  # decode-only steps as one op (set by the compile layer: compile.block_op)
 
     def forward(self, x, cos, sin, kv_rows, decode_mask, lane_slot, lane_mask):
@@ -176,9 +177,10 @@ class StepProgram(nn.Module):
             )
         cache_shape = self.caches[0].k.shape
         self.prefix = StepPrefix(gpt, max_seq_length, cache_shape, lane_len)
+        steps = verify_of.blocks if verify_of is not None else [None] * len(self.caches)
         self.blocks = nn.ModuleList(
-            BlockStep(block, cache, lane_len, verify=verify_of is not None)
-            for block, cache in zip(gpt.transformer.h, self.caches)
+            BlockStep(block, cache, lane_len, verify_of=step)
+            for block, cache, step in zip(gpt.transformer.h, self.caches, steps)
         )
 
     def forward(

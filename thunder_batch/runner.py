@@ -9,14 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-from thunder_batch.compile.step import load_or_compile_program, outputs_unused
+from thunder_batch.compile.step import follow_weights, load_or_compile_program, outputs_unused
 from thunder_batch.compile.step import program_stats as step_program_stats
 from thunder_batch.config import EngineConfig, StepShape
 from thunder_batch.kv_cache import copy_entries
 from thunder_batch.model import check_supported
+from thunder_batch.moe import restack
 from thunder_batch.program import HEADS, StepProgram
 from thunder_batch.sampler import needs_sort
 from thunder_batch.scheduler import SlotWork, StepPlan
+from thunder_batch.weights import WeightWatch, copy_weights
 
 
 @dataclass
@@ -88,19 +90,39 @@ class Runner:
             lane_len = config.speculative_tokens + 1
             verify = StepProgram(gpt, config.batch_size, config.max_seq_length, lane_len, verify_of=self.program)
             self.verify_fn = load_or_compile_program(verify, config, functools.partial(self.probe_inputs, verify=True))
-        self._weights = [(id(t), t._version) for t in gpt.parameters()]  # see weights_changed
+        self.watch = WeightWatch(gpt)  # after the MoE stacks: their experts' weights are views of them
         # A head without the top-k/top-p sort is one more small piece, but one more whole trace of
         # the model with trace="step": there, every step keeps the sort.
         whole_step = config.compile == "thunder" and config.trace == "step"
         self.head_variants = ("filtered",) if whole_step else HEADS
 
-    def weights_changed(self) -> bool:
-        """Whether any weight of the model was replaced or edited in place since the last call (the first
-        call: since the runner was built): each tensor's identity and version counter. The engine asks
-        before admitting prompts, not every step (a large MoE model has thousands of weight tensors)."""
-        now = [(id(t), t._version) for t in self.gpt.parameters()]
-        changed, self._weights = now != self._weights, now
-        return changed
+    def follow_weights(self) -> bool:
+        """Before each step: whether any weight changed since the last call (the first: since the runner was
+        built), in place or by a new tensor or new data (`weights.WeightWatch`). The programs follow weights that
+        moved to other memory from this step on, with no retrace; a changed shape, dtype or device, or a
+        replaced submodule, raises WeightsChangedError and changes nothing."""
+        changes = self.watch.changes()
+        if changes.moved:
+            self._follow(changes.moved)
+        return changes.edited
+
+    def refresh_weights(self) -> None:
+        """Every weight read afresh: for writes no version counter sees (`p.data.copy_(t)`)."""
+        self._follow(self.watch.every_parameter())
+
+    def update_weights(self, weights) -> None:
+        """Copy new values into the model's weights in place (`weights.copy_weights`); packed copies made now."""
+        self._follow(copy_weights(self.gpt, weights))
+
+    def _follow(self, moved: list[torch.Tensor]) -> None:
+        """The programs (and MoE stacks) read `moved` as they are now; their packed copies are made again."""
+        for block in self.program.blocks:  # a verify program's layers share these stacks
+            if block.experts is not None:
+                restack(block.experts, block.block.mlp)
+        for fn in (self.step_fn, self.verify_fn):
+            if fn is not None:
+                follow_weights(fn, moved)
+        self.watch.changes()  # what this did (expert weights pointed at their stacks again) is no change
 
     def shape_for(self, plan: StepPlan) -> StepShape:
         """The fewest lanes holding the plan's; the shortest rung covering every fed position."""

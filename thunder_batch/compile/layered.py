@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from thunder_batch import fallbacks
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile.block_op import BlockStack, OpCalls
 from thunder_batch.compile.cache import EntryStore, warn
@@ -169,13 +170,26 @@ class LayeredProgram:
             for i in range(len(self.program.blocks)):
                 x = self._block(shape, i, (x, *shared))
         if record:
-            shape.stack = BlockStack.of(calls, len(self.program.blocks), x_in, shared, PACKED.sources())
+            shape.stack = self._checked_stack(calls, x_in, shared, x)
             shape.may_stack = shape.stack is not None
         if not shape.blocks_settled:
             shape.blocks_settled = True
             if self.entries is not None:
                 self.entries.save_blocks(shape.shared, (x, *shared))
         return x
+
+    def _checked_stack(self, calls: OpCalls, x_in, shared: list, out: torch.Tensor) -> BlockStack | None:
+        """The native loop of one step's recorded op calls, if it gives that step's output again, bit for bit
+        (the same calls; running a step's layers again writes the same cache entries): its load-time check."""
+        stack = BlockStack.of(calls, len(self.program.blocks), x_in, shared, PACKED.sources())
+        if stack is None:
+            return None
+        again = stack(x_in, shared)
+        if again is not None and torch.equal(again, out):
+            return stack
+        message = "a step shape's layers as one native loop did not give its programs' output: the programs run"
+        fallbacks.report("native_loop", message)
+        return None
 
     def _may_stack(self, rows: int) -> bool:
         """Whether steps of `rows` rows are decode-only and every layer is marked to run them as the one op."""
@@ -276,6 +290,18 @@ class LayeredProgram:
             self.pieces.append(piece)
         elif traced:
             self.traced[kind + " (same as an earlier layer)"] += 1
+
+    def rebind(self) -> None:
+        """Every program made so far takes its module's tensors afresh (some weight is a new tensor), and the
+        native loops, which hold packed copies of the old ones, are recorded again from the next steps."""
+        for shape in self._shapes.values():
+            for bound in (shape.prefix, *shape.blocks.values()):
+                if bound is not None:
+                    bound.rebind()
+            shape.stack = None
+        for heads in self._heads.values():
+            for bound in heads.values():
+                bound.rebind()
 
     # -- the compile cache --------------------------------------------------------------------
     def _take_stored_blocks(self, shape: _Shape, args: tuple) -> None:

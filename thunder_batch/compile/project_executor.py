@@ -91,6 +91,19 @@ class PackedWeights:
         entries = [(entry[0](), entry) for entry in self._packed.values()]
         return {id(entry[2]): w for w, entry in entries if w is not None and entry[1] == w._version}
 
+    def refresh(self, weights) -> None:
+        """Packs again, now, each of `weights` that has a packed copy (new values, or new data under it): into
+        the copy's own memory where the kernel is the project's (no allocation: ~10x faster than a new copy)."""
+        for w in weights:
+            entry = self._packed.get(id(w))
+            if entry is None or entry[0]() is not w:
+                continue
+            if _repack_into(w.detach(), entry[2], entry[3]):
+                self._packed[id(w)] = (entry[0], w._version, *entry[2:])
+            else:
+                del self._packed[id(w)]
+                self.get(w)
+
     def pack_as(self, done: list, todo: list) -> None:
         """Packs each weight of `todo` whose counterpart in `done` (another layer's inputs to the same
         program, in the same order) is packed: a layer bound without running gets what it will read."""
@@ -110,6 +123,26 @@ class PackedWeights:
 
 
 PACKED = PackedWeights()  # packed copies of weights, shared by every program of the process
+
+
+@torch.no_grad()
+def _repack_into(w: torch.Tensor, packed: torch.Tensor, kernel: Callable) -> bool:
+    """Writes `w` [O, I] into `packed` in the native kernels' layouts (float32 [blocks, I, 16], bfloat16
+    [blocks, I/2, 16, 2]: row b * 16 + r of w is lane r of block b; the padding rows stay zero). False for
+    oneDNN's layout, which only oneDNN writes."""
+    if kernel is torch.ops.thunder_batch.packed_linear.default:
+        rows = w  # [O, I]: lane r of a block reads row r
+        into = lambda blocks: blocks.transpose(1, 2)  # noqa: E731  [b, I, 16] -> [b, 16, I]
+    elif kernel is torch.ops.thunder_batch.packed_linear_bf16.default:
+        rows = w.reshape(w.shape[0], w.shape[1] // 2, 2)  # [O, I/2, 2]
+        into = lambda blocks: blocks.permute(0, 2, 1, 3)  # noqa: E731  [b, I/2, 16, 2] -> [b, 16, I/2, 2]
+    else:
+        return False
+    full, rest = divmod(w.shape[0], 16)
+    into(packed[:full]).copy_(rows[: full * 16].reshape(full, 16, *rows.shape[1:]))
+    if rest:
+        into(packed[full : full + 1])[0, :rest].copy_(rows[full * 16 :])
+    return True
 
 
 def _onednn_linear(x, packed, bias, out_features: int):

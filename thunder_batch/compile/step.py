@@ -95,6 +95,29 @@ def _load_or_compile(program: StepProgram, config: EngineConfig, probe_inputs) -
     )
 
 
+def follow_weights(fn: Callable, moved: list) -> None:
+    """After the `moved` weights were replaced (new tensors, or new data under the same ones; same shapes and
+    dtypes) or written behind their version counters: every program of `fn` reads them from its next call on,
+    their packed copies are made again, and nothing is retraced."""
+    from thunder_batch.compile.cuda_graphs import CUDAGraphProgram
+    from thunder_batch.compile.layered import LayeredProgram
+
+    if not is_compiled(fn):
+        return  # eager reads the model's modules as they are
+    from thunder_batch.compile.project_executor import PACKED
+
+    PACKED.refresh(moved)
+    if isinstance(fn, CUDAGraphProgram):
+        fn.graphs.clear()  # captured at the old addresses: captured again on their next call
+        fn = fn.program
+    if isinstance(fn, LayeredProgram):
+        fn.rebind()
+    elif is_compiled(fn):  # trace="step": Thunder's module
+        from thunder_batch._compat import rebind_thunder_module
+
+        rebind_thunder_module(fn)
+
+
 def is_compiled(fn: Callable) -> bool:
     return not isinstance(fn, nn.Module) or type(fn).__name__ == "ThunderModule"
 

@@ -208,8 +208,13 @@ class BoundComputation:
         single: bool = False,
     ):
         self.computation, self.single = computation, single
+        self.module, self._recorded = module, bindings
         self.bindings = [_resolve_binding(b, module) for b in bindings]
         self.writes = [module.get_buffer(name) for name in written]
+
+    def rebind(self) -> None:
+        """Take the module's tensors afresh (a weight replaced by a new tensor since binding)."""
+        self.bindings = [_resolve_binding(b, self.module) for b in self._recorded]
 
     def __call__(self, *args: torch.Tensor):
         # Dispatch by signature is the caller's job (as Thunder's prologue checks would be).
