@@ -39,7 +39,7 @@ def decode_args(engine):
     """A decode-only step with every slot at position ~200 (greedy, no filter)."""
     import torch
 
-    args = list(engine.runner.inputs_for(_empty_plan()).as_args())
+    args = list(engine.runner.inputs_for(_empty_plan()))
     B = args[0].shape[0]
     args[0] = torch.randint(0, 1000, (B,))
     args[1] = torch.full((B,), 200) - torch.arange(B)
@@ -47,7 +47,7 @@ def decode_args(engine):
 
 
 def _empty_plan():
-    from thunder_batch.scheduler import StepPlan
+    from thunder_batch.step_plan import StepPlan
 
     return StepPlan([])
 

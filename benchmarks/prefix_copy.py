@@ -19,7 +19,7 @@ import torch
 
 from thunder_batch import Engine, EngineConfig
 from thunder_batch.config import StepShape
-from thunder_batch.scheduler import PrefixCopy, StepPlan
+from thunder_batch.step_plan import PrefixCopy, StepPlan
 
 
 def median_seconds(fn, reps: int) -> float:

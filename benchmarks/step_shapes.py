@@ -17,7 +17,7 @@ import time
 
 def step_ms(runner, shape, reps: int) -> float:
     """Best of `reps` padding-only steps of this shape (greedy head), after one warm-up."""
-    from thunder_batch.scheduler import StepPlan
+    from thunder_batch.step_plan import StepPlan
 
     best = float("inf")
     for i in range(reps + 1):

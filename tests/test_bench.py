@@ -7,12 +7,14 @@ import math
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from thunder_batch.bench import run as bench
 from thunder_batch.bench.metrics import ModelCost, RequestTrace, summary
+from thunder_batch.bench.options import BenchOptions
 from thunder_batch.bench.parity import compare_tokens
 from thunder_batch.bench.workloads import build_workload, load_prompts, poisson_arrivals, same_length_groups
 from thunder_batch.cli.bench import bench as bench_command
@@ -20,7 +22,9 @@ from thunder_batch.native import build
 
 from helpers import tiny_gpt
 
-QUICK = dict(dataset="random", input_len=10, range_ratio=0.5, ignore_eos=True, progress=False, matmul_n=128, copy_mb=4)
+QUICK = BenchOptions(
+    dataset="random", input_len=10, range_ratio=0.5, ignore_eos=True, progress=False, matmul_n=128, copy_mb=4
+)
 
 
 def test_shipped_prompts_are_real_and_varied():
@@ -97,18 +101,69 @@ def test_parse_options():
     assert parser.parse_args([]).precisions is None
 
 
+@pytest.mark.parametrize(
+    "flags, runner, fields",
+    [
+        (["--batch_size", "1,8", "--max_new_tokens", "5"], "run", dict(batch_size="1,8", max_new_tokens=5)),
+        (
+            ["--dataset", "multi-turn", "--turns", "3", "--repeats", "2", "--prefix-store-mb", "0"],
+            "prefix",
+            dict(dataset="multi-turn", turns=3, repeats=2, prefix_store_mb=0),
+        ),
+        (
+            ["--speculative_tokens", "0,4", "--dataset", "grounded", "--ignore-eos", "--systems", "eager"],
+            "speculative",
+            dict(speculative_tokens="0,4", dataset="grounded", ignore_eos=True, systems="eager"),
+        ),
+        (
+            ["--llama_cpp_gguf", "a.gguf,b.gguf", "--llama_cpp_bin", "/opt/llama", "--request_rate", "2.5"],
+            "run",
+            dict(llama_cpp_gguf="a.gguf,b.gguf", llama_cpp_bin=Path("/opt/llama"), request_rate=2.5),
+        ),
+    ],
+)
+def test_the_command_gives_its_flags_to_one_benchmark_as_bench_options(monkeypatch, flags, runner, fields):
+    """`thunder-batch bench` with the model loading stubbed: the runner its dataset and --speculative_tokens
+    pick gets a BenchOptions holding the flags given and every other option's default."""
+    import torch
+
+    import thunder_batch.bench.prefix_run
+    import thunder_batch.bench.speculative
+    import thunder_batch.chat
+    import thunder_batch.checkpoints
+    from thunder_batch.cli.main import main
+
+    gpt, calls = tiny_gpt("llama"), []
+    loaded = lambda *args, **kwargs: calls.append(("load", args, kwargs)) or (gpt, None, gpt.config)  # noqa: E731
+    monkeypatch.setattr(thunder_batch.checkpoints, "load_checkpoint", loaded)
+    monkeypatch.setattr(thunder_batch.chat, "prompt_style_for", lambda config, checkpoint_dir: "style")
+    record = lambda name: lambda *args, **kwargs: calls.append((name, args, kwargs))  # noqa: E731
+    monkeypatch.setattr(bench, "run_benchmark", record("run"))
+    monkeypatch.setattr(thunder_batch.bench.prefix_run, "run_prefix_benchmark", record("prefix"))
+    monkeypatch.setattr(thunder_batch.bench.speculative, "run_speculative_benchmark", record("speculative"))
+    main(["bench", "--checkpoint_dir", "checkpoints/tiny", "--precision", "bfloat16", *flags])
+    [load, (name, args, kwargs)] = calls
+    assert load == ("load", (Path("checkpoints/tiny"),), dict(dtype=torch.bfloat16, device="cpu"))
+    options = kwargs.get("options", args[-1])
+    assert name == runner and args[0] is gpt and options == replace(BenchOptions(), **fields)
+    if runner == "run":
+        assert args[1:] == (None, "style") and kwargs["model_label"] == "tiny"
+
+
 def test_eager_and_litgpt_baselines_end_to_end(tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = bench.run_benchmark(
         tiny_gpt("llama"),
-        num_requests=6,
-        max_new_tokens=5,
-        batch_size="1,3",
-        prefill_chunk=4,
-        systems="litgpt-sequential,litgpt-batched,eager",
-        output_json=out_json,
-        plot=out_png,
-        **QUICK,
+        options=replace(
+            QUICK,
+            num_requests=6,
+            max_new_tokens=5,
+            batch_size="1,3",
+            prefill_chunk=4,
+            systems="litgpt-sequential,litgpt-batched,eager",
+            output_json=out_json,
+            plot=out_png,
+        ),
     )
     runs = {(m["system"], m["batch_size"]): m for m in result["runs"]}
     assert set(runs) == {
@@ -152,12 +207,9 @@ def test_a_perturbed_baseline_is_reported(monkeypatch):
     monkeypatch.setattr(bench, "run_system", perturbed)
     result = bench.run_benchmark(
         tiny_gpt("llama"),
-        num_requests=4,
-        max_new_tokens=4,
-        batch_size="2",
-        prefill_chunk=4,
-        systems="litgpt-sequential,eager",
-        **QUICK,
+        options=replace(
+            QUICK, num_requests=4, max_new_tokens=4, batch_size="2", prefill_chunk=4, systems="litgpt-sequential,eager"
+        ),
     )
     check = next(m for m in result["runs"] if m["system"] == "litgpt-sequential")["token_check"]
     assert check["mismatched_requests"] == 1
@@ -167,13 +219,15 @@ def test_a_perturbed_baseline_is_reported(monkeypatch):
 def test_online_arrivals_drive_add_request_and_step():
     result = bench.run_benchmark(
         tiny_gpt("llama"),
-        num_requests=4,
-        max_new_tokens=3,
-        batch_size="2",
-        prefill_chunk=4,
-        request_rate=40.0,
-        systems="litgpt-batched,eager",
-        **QUICK,
+        options=replace(
+            QUICK,
+            num_requests=4,
+            max_new_tokens=3,
+            batch_size="2",
+            prefill_chunk=4,
+            request_rate=40.0,
+            systems="litgpt-batched,eager",
+        ),
     )
     assert "offline workloads only" in result["skipped"]["litgpt-batched"]
     (run,) = result["runs"]
@@ -186,15 +240,17 @@ def test_poisson_arrivals_with_lanes_and_a_ladder_report_shapes_and_tokens():
     ran is one of the config's), never timings."""
     result = bench.run_benchmark(
         tiny_gpt("llama"),
-        num_requests=8,
-        max_new_tokens=6,
-        batch_size="3",
-        prefill_chunk=4,
-        prefill_lanes=1,
-        attention_lengths="16,32",
-        request_rate=50.0,
-        systems="litgpt-sequential,eager",
-        **QUICK,
+        options=replace(
+            QUICK,
+            num_requests=8,
+            max_new_tokens=6,
+            batch_size="3",
+            prefill_chunk=4,
+            prefill_lanes=1,
+            attention_lengths="16,32",
+            request_rate=50.0,
+            systems="litgpt-sequential,eager",
+        ),
     )
     runs = {m["system"]: m for m in result["runs"]}
     assert runs["litgpt-sequential"]["token_check"]["mismatched_requests"] == 0
@@ -221,13 +277,15 @@ def test_thunder_torch_matches_eager_with_cold_and_warm_compile():
     # prefill_chunk=1: one step shape (tracing is the slow part on this CPU)
     result = bench.run_benchmark(
         tiny_gpt("llama", n_layer=1),
-        num_requests=3,
-        max_new_tokens=4,
-        batch_size="2",
-        prefill_chunk=1,
-        systems="eager,thunder-default,thunder-torch,thunder-nvfuser",
-        profile=True,
-        **QUICK,
+        options=replace(
+            QUICK,
+            num_requests=3,
+            max_new_tokens=4,
+            batch_size="2",
+            prefill_chunk=1,
+            systems="eager,thunder-default,thunder-torch,thunder-nvfuser",
+            profile=True,
+        ),
     )
     default = next(m for m in result["runs"] if m["system"] == "thunder-default")  # executors=None
     assert default["token_check"]["mismatched_requests"] == 0
@@ -259,12 +317,9 @@ def test_a_run_that_traces_is_reported_as_recompiled(monkeypatch, tmp_path):
     monkeypatch.setattr(engine_runs, "compile_engine", uncompiled)
     result = bench.run_benchmark(
         tiny_gpt("llama", n_layer=1),
-        num_requests=2,
-        max_new_tokens=2,
-        batch_size="2",
-        prefill_chunk=1,
-        systems="eager,thunder-torch",
-        **QUICK,
+        options=replace(
+            QUICK, num_requests=2, max_new_tokens=2, batch_size="2", prefill_chunk=1, systems="eager,thunder-torch"
+        ),
     )
     runs = {m["system"]: m for m in result["runs"]}
     assert runs["eager"]["recompiled"] is False
@@ -409,15 +464,17 @@ def test_two_precision_run_end_to_end(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = bench.run_benchmark(
         tiny_gpt("llama"),
-        num_requests=4,
-        max_new_tokens=4,
-        batch_size="1,2",
-        prefill_chunk=4,
-        precisions="float32,bfloat16",
-        output_json=out_json,
-        plot=out_png,
-        systems="litgpt-sequential,eager@bfloat16,eager@float32:2",
-        **QUICK,
+        options=replace(
+            QUICK,
+            num_requests=4,
+            max_new_tokens=4,
+            batch_size="1,2",
+            prefill_chunk=4,
+            precisions="float32,bfloat16",
+            output_json=out_json,
+            plot=out_png,
+            systems="litgpt-sequential,eager@bfloat16,eager@float32:2",
+        ),
     )
     runs = {(m["system"], m["precision"], m["batch_size"]): m for m in result["runs"]}
     assert list(runs) == [

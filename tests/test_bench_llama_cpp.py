@@ -5,21 +5,24 @@ or GGUF is given; a GGUF's precision read from its header; with a real build and
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 
 from thunder_batch.bench import llama_cpp
 from thunder_batch.bench import run as bench
+from thunder_batch.bench.options import BenchOptions
 
 from helpers import tiny_gpt
 
-QUICK = dict(dataset="random", input_len=6, matmul_n=64, copy_mb=1, progress=False, warm_compile=False)
+QUICK = BenchOptions(dataset="random", input_len=6, matmul_n=64, copy_mb=1, progress=False, warm_compile=False)
 
 
 def test_without_a_build_llama_cpp_is_skipped_with_how_to_get_it(monkeypatch):
     monkeypatch.delenv(llama_cpp.ENV_VAR, raising=False)
     result = bench.run_benchmark(
-        tiny_gpt("llama"), num_requests=2, max_new_tokens=2, batch_size="2", systems="eager,llama.cpp", **QUICK
+        tiny_gpt("llama"),
+        options=replace(QUICK, num_requests=2, max_new_tokens=2, batch_size="2", systems="eager,llama.cpp"),
     )
     assert [m["system"] for m in result["runs"]] == ["eager"]
     why = result["skipped"]["llama.cpp"]
@@ -68,13 +71,15 @@ def test_llama_cpp_runs_the_same_requests_beside_the_engine():
     gpt, _, _ = load_checkpoint(default_checkpoint_dir())
     result = bench.run_benchmark(
         gpt,
-        num_requests=4,
-        max_new_tokens=8,
-        batch_size="2",
-        ignore_eos=True,
-        systems="eager,llama.cpp",
-        llama_cpp_gguf=os.environ["LLAMA_CPP_GGUF"],
-        **QUICK,
+        options=replace(
+            QUICK,
+            num_requests=4,
+            max_new_tokens=8,
+            batch_size="2",
+            ignore_eos=True,
+            systems="eager,llama.cpp",
+            llama_cpp_gguf=os.environ["LLAMA_CPP_GGUF"],
+        ),
     )
     runs = {m["system"]: m for m in result["runs"] if m["precision"] == "float32"}
     assert runs["llama.cpp"]["output_tokens"] == runs["eager"]["output_tokens"] > 4 * 4  # each request's own limit

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,12 +13,13 @@ import torch
 from thunder_batch.bench import hf_transformers as hf
 from thunder_batch.bench import run as bench
 from thunder_batch.bench.engine_runs import run_engine
+from thunder_batch.bench.options import BenchOptions
 from thunder_batch.bench.system import BenchContext
 from thunder_batch.bench.workloads import build_workload
 
 from helpers import tiny_config, tiny_gpt
 
-QUICK = dict(dataset="random", input_len=10, range_ratio=0.5, progress=False, matmul_n=128, copy_mb=4)
+QUICK = BenchOptions(dataset="random", input_len=10, range_ratio=0.5, progress=False, matmul_n=128, copy_mb=4)
 
 
 @pytest.mark.parametrize("family", ["llama", "pythia"])
@@ -36,13 +38,15 @@ def test_converted_model_gives_litgpt_logits(family):
 def test_static_batches_give_the_engines_greedy_tokens(family):
     result = bench.run_benchmark(
         tiny_gpt(family),
-        num_requests=7,
-        max_new_tokens=6,
-        batch_size="1,3",
-        prefill_chunk=4,
-        ignore_eos=True,
-        systems="eager,hf-transformers",
-        **QUICK,
+        options=replace(
+            QUICK,
+            num_requests=7,
+            max_new_tokens=6,
+            batch_size="1,3",
+            prefill_chunk=4,
+            ignore_eos=True,
+            systems="eager,hf-transformers",
+        ),
     )
     runs = {(m["system"], m["batch_size"]): m for m in result["runs"]}
     assert set(runs) == {("eager", 1), ("eager", 3), ("hf-transformers", 1), ("hf-transformers", 3)}
@@ -77,13 +81,15 @@ def test_eos_ends_a_row_and_the_batch_runs_to_its_longest_member():
 def test_online_runs_skip_the_peer_and_other_layouts_are_refused():
     result = bench.run_benchmark(
         tiny_gpt("llama"),
-        num_requests=3,
-        max_new_tokens=3,
-        batch_size="2",
-        request_rate=50.0,
-        ignore_eos=True,
-        systems="eager,hf-transformers",
-        **QUICK,
+        options=replace(
+            QUICK,
+            num_requests=3,
+            max_new_tokens=3,
+            batch_size="2",
+            request_rate=50.0,
+            ignore_eos=True,
+            systems="eager,hf-transformers",
+        ),
     )
     assert "offline workloads only" in result["skipped"]["hf-transformers"]
     assert [m["system"] for m in result["runs"]] == ["eager"]
@@ -97,7 +103,8 @@ def test_online_runs_skip_the_peer_and_other_layouts_are_refused():
 def test_a_missing_transformers_is_reported_not_run(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
     result = bench.run_benchmark(
-        tiny_gpt("llama"), num_requests=2, max_new_tokens=2, batch_size="2", systems="eager,hf-transformers", **QUICK
+        tiny_gpt("llama"),
+        options=replace(QUICK, num_requests=2, max_new_tokens=2, batch_size="2", systems="eager,hf-transformers"),
     )
     assert result["skipped"] == {"hf-transformers": hf.INSTALL_HINT}
 
@@ -134,13 +141,15 @@ def test_compiled_forward_gives_the_same_tokens():
     """generate's torch.compile of the decode forward (on CPU: tens of seconds of Inductor compile per shape)."""
     result = bench.run_benchmark(
         tiny_gpt("llama"),
-        num_requests=4,
-        max_new_tokens=5,
-        batch_size="2",
-        prefill_chunk=4,
-        ignore_eos=True,
-        systems="eager,hf-transformers-compile",
-        **QUICK,
+        options=replace(
+            QUICK,
+            num_requests=4,
+            max_new_tokens=5,
+            batch_size="2",
+            prefill_chunk=4,
+            ignore_eos=True,
+            systems="eager,hf-transformers-compile",
+        ),
     )
     peer = next(m for m in result["runs"] if m["system"] == "hf-transformers-compile")
     assert peer["token_check"]["mismatched_requests"] == 0 and peer["output_tokens"] > 0

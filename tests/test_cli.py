@@ -6,7 +6,9 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import fields
 
+from thunder_batch.bench.options import BenchOptions
 from thunder_batch.cli.main import normalize_flags
 
 
@@ -61,20 +63,35 @@ EXPECTED_FLAGS = {
         "prefix_reuse": "True",
         "speculative_tokens": "0",
         "turns": "8",
+        "repeats": "1",
+        "dataset": "prompts",
+        "num_requests": "32",
+        "request_rate": "inf",
+        "device": "cpu",
     },
 }
 
 
-def help_defaults(text: str) -> dict[str, str]:
-    """--flag -> its default, from jsonargparse's help (entries may wrap over several lines)."""
+def help_entries(text: str) -> dict[str, str]:
+    """--flag -> its entry in jsonargparse's help (which may wrap over several lines)."""
     entries = re.split(r"\n  (?=--)", text.split("options:", 1)[1])
+    return {name.group(1): entry for entry in entries if (name := re.match(r"--(\w+)", entry))}
+
+
+def help_defaults(text: str) -> dict[str, str]:
+    """--flag -> its default, from jsonargparse's help."""
     found = {}
-    for entry in entries:
+    for name, entry in help_entries(text).items():
         flat = re.sub(r"\s+", "", entry)  # wrapping may split a default anywhere
-        name, default = re.match(r"--(\w+)", entry), re.search(r"default:(.*)\)$", flat)
-        if name and default:
-            found[name.group(1)] = default.group(1)
+        if default := re.search(r"default:(.*)\)$", flat):
+            found[name] = default.group(1)
     return found
+
+
+def documented(text: str) -> set[str]:
+    """The flags whose help entry says something besides its type and default."""
+    bodies = {name: re.split(r"\s{2,}", entry, maxsplit=1)[-1] for name, entry in help_entries(text).items()}
+    return {name for name, body in bodies.items() if body.split("(type:")[0].strip()}  # after "--flag METAVAR"
 
 
 def test_every_subcommand_lists_its_flags_and_defaults():
@@ -90,3 +107,5 @@ def test_every_subcommand_lists_its_flags_and_defaults():
         listed = help_defaults(done.stdout)
         assert {flag: listed.get(flag) for flag in expected} == expected, command
         assert ("compile" in listed) == (command in ("generate", "serve")), command
+        if command == "bench":  # every option of the benchmark is a flag, with its doc
+            assert {f.name for f in fields(BenchOptions)} <= documented(done.stdout)

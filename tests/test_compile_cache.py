@@ -41,7 +41,7 @@ from thunder_batch.compile.step import compile_options
 from thunder_batch.compile.trace_export import NotExportable, ctx_recipe
 from thunder_batch.config import StepShape
 from thunder_batch.native import build as native_build
-from thunder_batch.scheduler import StepPlan
+from thunder_batch.step_plan import StepPlan
 
 from helpers import tiny_gpt
 
@@ -206,7 +206,7 @@ def test_every_key_field_changes_the_digest(traced):
 )
 def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monkeypatch):
     def key_of(engine, shape=None):  # the prefix's key: every field but the piece's own
-        idx, input_pos, _, key_pos, *_ = engine.runner.inputs_for(StepPlan([]), shape).as_args()
+        idx, input_pos, _, key_pos, *_ = engine.runner.inputs_for(StepPlan([]), shape)
         return engine.runner.step_fn.entries.key("prefix", "", (idx, input_pos, key_pos))
 
     base = key_of(make_engine(tmp_path))
@@ -244,7 +244,7 @@ def test_cuda_graphs_load_the_pieces_a_plain_engine_stored(traced):
     config = dataclasses.replace(engine.config, cuda_graphs=True)
     program = copy.deepcopy(engine.runner.program)
     layered = LayeredProgram(program, config, compile_options(config), EntryStore(traced["root"]))
-    args = engine.runner.inputs_for(StepPlan([])).as_args()
+    args = tuple(engine.runner.inputs_for(StepPlan([])))
     for head in ("filtered", "greedy"):
         layered(*args, head=head)
     stats = layered.stats()

@@ -13,7 +13,7 @@ import torch
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.compile.cache import CompileCacheWarning
 from thunder_batch.compile.project_executor import PACKED, ProjectKernelsMode
-from thunder_batch.scheduler import StepPlan
+from thunder_batch.step_plan import StepPlan
 
 from helpers import mixed_prompts, tiny_gpt
 
@@ -80,7 +80,7 @@ def test_warmup_runs_the_layers_once_per_shape_and_every_head_on_their_output(co
         assert engine.stats()["programs"]["head-greedy"] == len(SHAPES)  # every head made at every N
     assert layer_runs == len(SHAPES)
     # The heads of one warm-up call give what each head gives on its own (an empty step writes scratch only).
-    args = runner.inputs_for(StepPlan([]), runner.config.step_shapes[0]).as_args()
+    args = tuple(runner.inputs_for(StepPlan([]), runner.config.step_shapes[0]))
     together = runner.step_fn(*args, head=("greedy", "filtered"))
     alone = [runner.step_fn(*args, head=h) for h in ("greedy", "filtered")]
     assert [[t.tolist() for t in out] for out in together] == [[t.tolist() for t in out] for out in alone]

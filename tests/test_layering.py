@@ -17,12 +17,12 @@ LAYERS = [
     (
         "pure Python",
         ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]
-        + ["fallbacks", "text_encoding", "drafts", "prefix_store"],
+        + ["fallbacks", "text_encoding", "drafts", "prefix_store", "step_plan", "observe"],
     ),
     (
         "torch",
         ["_compat", "index_ops", "kv_cache", "moe", "model", "sampler", "program", "checkpoints", "gguf_convert"]
-        + ["native"],
+        + ["native", "weights"],
     ),
     ("thunder", ["compile"]),
     ("runner", ["runner"]),
@@ -40,6 +40,8 @@ PURE_NO_TORCH = [  # DESIGN: pure Python, no torch
     "versions",
     "fallbacks",
     "text_encoding",
+    "step_plan",
+    "observe",
 ]
 
 
@@ -147,6 +149,68 @@ def test_only_compile_imports_thunder():
     allowed = ("thunder_batch.compile", "thunder_batch._compat")
     wrong = [n for n, p in modules.items() if "thunder" in imports_of(p, modules) and not n.startswith(allowed)]
     assert not wrong, wrong
+
+
+def test_the_front_ends_talk_to_the_engine_only():
+    """serve/ and bench/ drive and watch the engine through `Engine` (its observers, counters, probe_step),
+    never through its runner or scheduler."""
+    graph = import_graph()
+    inner = {"thunder_batch.runner", "thunder_batch.scheduler", "thunder_batch.step_plan"}
+    wrong = {n: graph[n] & inner for n in graph if n.startswith(("thunder_batch.serve", "thunder_batch.bench"))}
+    assert not any(wrong.values()), {n: e for n, e in wrong.items() if e}
+
+
+def method_replacements(source: str, methods: set[str]) -> list[str]:
+    """`obj.name = ...`, `del obj.name` and `setattr(obj, "name", ...)` where `name` is a method of one of the
+    package's classes and `obj` is not `self`: code replacing another object's method."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr in methods and not _is_self(t.value):
+                found.append(f"line {t.lineno}: {ast.unparse(t)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            name = node.args[1] if len(node.args) > 1 else None
+            if isinstance(name, ast.Constant) and name.value in methods and not _is_self(node.args[0]):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def package_methods() -> set[str]:
+    """Names of the package's methods that no class of it also uses as a data attribute (`self.name = ...`, a
+    dataclass field): assigning one on another object can only replace a method."""
+    methods, data = set(), set()
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                methods |= {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                data |= {
+                    f.target.id for f in node.body if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)
+                }
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                data |= {t.attr for t in targets if isinstance(t, ast.Attribute) and _is_self(t.value)}
+    return methods - data - {"__init__", "__call__", "forward"}
+
+
+def test_no_module_replaces_another_objects_method():
+    methods = package_methods()
+    found = {n: m for n, p in _modules().items() if (m := method_replacements(p.read_text(encoding="utf-8"), methods))}
+    assert not found, found
+
+
+def test_the_method_replacement_check_finds_one():
+    methods = {"run", "schedule"}
+    source = "runner.run = timed\nsetattr(scheduler, 'schedule', f)\ndel engine.scheduler.schedule\nself.run = f\n"
+    assert len(method_replacements(source, methods)) == 3
 
 
 def test_the_inference_worker_does_not_load_the_http_side():

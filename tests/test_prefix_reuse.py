@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
-from thunder_batch.prefix_store import PrefixRestore, PrefixSave
 from thunder_batch.request import Request
-from thunder_batch.scheduler import PrefixCopy, Scheduler, common_prefix
+from thunder_batch.scheduler import Scheduler, common_prefix
+from thunder_batch.step_plan import PrefixCopy, PrefixRestore, PrefixSave
 
 from helpers import litgpt_greedy, tiny_gpt
 
@@ -312,9 +312,7 @@ def test_random_traffic_every_fed_token_sees_its_own_tokens_before_it(num_slots,
             known = w.request.prompt_ids + w.request.output_ids
             assert [cache[w.slot].get(p) for p in range(w.start_pos)] == known[: w.start_pos]
             cache[w.slot].update(zip(range(w.start_pos, w.start_pos + len(w.token_ids)), w.token_ids))
-            w.request.num_cached += len(w.token_ids)
-            if w.samples and w.request.append(200 + len(w.request.output_ids), 0.0).finished:
-                s.remove(w.request)
+            s.postprocess(w, [(200 + len(w.request.output_ids), 0.0, None)] if w.samples else [])
     assert not s.has_unfinished() and not pending
     for r in live.values():
         assert r.finish_reason == "abort" or len(r.output_ids) == r.params.max_new_tokens
@@ -339,22 +337,21 @@ def test_prefix_bench_compares_reuse_off_and_on_on_the_same_tokens(tmp_path):
     """`bench --dataset multi-turn / shared-prefix` on a tiny model: equal tokens, the engine's counters,
     and a control sharing nothing that reuse leaves as it was (same steps, same tokens computed)."""
     import json
+    from dataclasses import replace
 
+    from thunder_batch.bench.options import BenchOptions
     from thunder_batch.bench.prefix_run import run_prefix_benchmark
 
     gpt = tiny_gpt("llama")
-    common = dict(max_new_tokens=5, batch_size="3", systems="eager,litgpt-batched", cache_dir=None, turns=4)
-    common.update(prefill_chunk=8, prefill_lanes=2, max_prefill_lanes=None, max_seq_length=None, seed=0)
-    multi = run_prefix_benchmark(
-        gpt, None, dict(common, dataset="multi-turn", num_requests=2, input_len=6, output_json=None)
-    )
+    common = BenchOptions(max_new_tokens=5, batch_size="3", systems="eager,litgpt-batched", turns=4, prefill_chunk=8)
+    multi = run_prefix_benchmark(gpt, None, replace(common, dataset="multi-turn", num_requests=2, input_len=6))
     [(name, by_workload)] = multi["results"].items()
     turn = by_workload["multi-turn"]
     assert name == "eager" and turn["tokens_equal"] and len(turn["ttft_by_turn_s"][1]) == 4
     # 2 conversations, turn t's prompt is 11t - 5 tokens; all but the first turn's reuse 11(t-1) - 1 of them
     assert turn["prompt_tokens_computed"] == (2 * sum(11 * t - 5 for t in range(1, 5)), 2 * (6 + 3 * 7))
     out = tmp_path / "shared.json"
-    shared = dict(common, dataset="shared-prefix", num_requests=6, input_len=20, output_json=out)
+    shared = replace(common, dataset="shared-prefix", num_requests=6, input_len=20, output_json=out)
     result = run_prefix_benchmark(gpt, None, shared)["results"]["eager"]
     assert result["shared-prefix"]["tokens_equal"] and result["shared-prefix"]["computed_over_unique"] == 1.0
     assert result["shared-prefix"]["unique_tokens"] == 20 + 6 * 40

@@ -37,6 +37,21 @@ def test_program_files_are_the_runners_imports_and_every_compile_module():
     assert {"model.py", "program.py", "sampler.py", "kv_cache.py", "moe.py", "config.py", "_compat.py"} <= names
     assert {"runner.py", "native/packed_linear.cpp", "native/build.py"} <= names
     assert not any(n.startswith(("serve/", "bench/", "cli/")) or n == "engine.py" for n in names)
+    # Scheduling shapes no program: the runner shares only the plan types with it (step_plan.py), whose
+    # annotation-only import of Request (under TYPE_CHECKING) never runs.
+    assert "step_plan.py" in names
+    assert not names & {"scheduler.py", "request.py", "prefix_store.py", "drafts.py"}
+
+
+def test_an_import_for_annotations_only_is_no_program_file(tmp_path):
+    copy = copy_package(tmp_path)
+    module = copy / "step_plan.py"
+    text = module.read_text(encoding="utf-8")
+    assert "if TYPE_CHECKING:" in text
+    names = lambda: {p.name for p in provenance.program_files(copy)}  # noqa: E731
+    assert "request.py" not in names()
+    module.write_text(text.replace("if TYPE_CHECKING:", "if True:"), encoding="utf-8")
+    assert "request.py" in names()
 
 
 def test_a_comment_in_any_program_file_changes_the_digest_of_a_copy(tmp_path):

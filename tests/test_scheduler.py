@@ -7,16 +7,18 @@ from hypothesis import strategies as st
 
 from thunder_batch.config import SamplingParams
 from thunder_batch.request import Request
-from thunder_batch.scheduler import Scheduler, SlotWork, StepPlan
+from thunder_batch.scheduler import Scheduler
+from thunder_batch.step_plan import SlotWork, StepPlan
 
 
 def request(rid, n_prompt, **params):
     return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(**params), seed=0)
 
 
-def advance(plan):
+def advance(s, plan):
+    """After a step that sampled nothing that counts: its tokens cached (Scheduler.postprocess)."""
     for w in plan.work:
-        w.request.num_cached += len(w.token_ids)
+        s.postprocess(w, [])
 
 
 def test_prefill_lane_chunks_then_decode_row():
@@ -29,7 +31,7 @@ def test_prefill_lane_chunks_then_decode_row():
         lanes.append(plan.work[0].lane)
         feeds.append(plan.work[0].token_ids)
         samples.append(plan.work[0].samples)
-        advance(plan)
+        advance(s, plan)
     assert lanes == [0, 0, 0] and feeds == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
     assert samples == [False, False, True]
     r.append(42, -0.1)
@@ -41,14 +43,14 @@ def test_prefill_lane_chunks_then_decode_row():
 def test_lanes_go_to_the_oldest_prompts_and_decode_never_pauses():
     s = Scheduler(num_slots=4, chunk=4, lane_counts=(2,))
     s.add(request("d", 1))
-    run_step(s.schedule())  # a one-token prompt goes through its decode row
+    run_step(s, s.schedule())  # a one-token prompt goes through its decode row
     for r in [request(i, 9) for i in range(3)]:
         s.add(r)
     plans = []
     for _ in range(4):
         plan = s.schedule()
         plans.append({w.request.request_id: (w.lane, len(w.token_ids)) for w in plan.work})
-        run_step(plan)
+        run_step(s, plan)
     assert plans == [
         {"d": (None, 1), 0: (0, 4), 1: (1, 4)},  # the third prompt waits for a lane
         {"d": (None, 1), 0: (0, 4), 1: (1, 4)},
@@ -57,12 +59,10 @@ def test_lanes_go_to_the_oldest_prompts_and_decode_never_pauses():
     ]
 
 
-def run_step(plan):
+def run_step(s, plan):
     """What the engine does after a step: tokens cached, a token appended where one was sampled."""
     for w in plan.work:
-        w.request.num_cached += len(w.token_ids)
-        if w.samples:
-            w.request.append(50, 0.0)
+        s.postprocess(w, [(50, 0.0, None)] if w.samples else [])
 
 
 def test_without_lanes_prompts_go_one_token_per_step():
@@ -72,7 +72,7 @@ def test_without_lanes_prompts_go_one_token_per_step():
     for _ in range(3):
         plan = s.schedule()
         feeds.append((plan.work[0].token_ids, plan.work[0].samples, plan.busy_lanes))
-        advance(plan)
+        advance(s, plan)
     assert feeds == [([1], False, 0), ([2], False, 0), ([3], True, 0)]
 
 
@@ -96,7 +96,7 @@ def test_wide_steps_open_only_the_lanes_prompts_fill():
     for _ in range(3):
         plan = s.schedule()
         opened.append(plan.busy_lanes)
-        run_step(plan)
+        run_step(s, plan)
     # 7 prompts of 9 tokens: 7 < 8 lanes, so 2 lanes a step, oldest first; two lanes' last tokens go by decode row
     assert opened == [2, 2, 2]
     s = Scheduler(num_slots=8, chunk=4, lane_counts=(2, 8))
@@ -143,9 +143,7 @@ def test_random_traffic_plans(num_slots, chunk, lane_counts, arrivals):
         _check_plan(s, plan, chunk, lanes, age, fed)
         for w in plan.work:
             fed.setdefault(w.request.request_id, []).extend(w.token_ids)
-            w.request.num_cached += len(w.token_ids)
-            if w.samples and w.request.append(100 + len(w.request.output_ids), 0.0).finished:
-                s.remove(w.request)
+            s.postprocess(w, [(100 + len(w.request.output_ids), 0.0, None)] if w.samples else [])
     assert not s.has_unfinished() and not pending
     assert set(fed) <= admitted and all(rid in fed for rid in age if not arrivals[rid][3])
     for rid, tokens in fed.items():

@@ -23,7 +23,7 @@ from thunder_batch.drafts import (
     prompt_lookup,
 )
 from thunder_batch.request import Request
-from thunder_batch.scheduler import SlotWork, StepPlan
+from thunder_batch.step_plan import SlotWork, StepPlan
 
 from helpers import mixed_prompts, tiny_gpt
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-from thunder_batch.scheduler import SlotWork, StepPlan
+from thunder_batch.step_plan import SlotWork, StepPlan
 
 GATE_DECAY = 0.8  # weight of the old value in the gate's moving averages
 GATE_MIN_STEPS = 2  # timed steps of a kind (after its first: one-off costs) before the gate trusts its time
 # A verify step must promise this many times plain decoding's tokens per time: the slots chosen are those
-# whose estimates are highest (so, on average, too high), and a step's time varies by 20% from step to step.
+# whose estimates are highest (so, on average, too high), and a step's time varies from step to step.
 GATE_MARGIN = 1.1
 PRIOR_ACCEPTED = 1.0  # expected accepted drafts of a verify lane before any lane was checked
 

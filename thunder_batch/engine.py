@@ -12,9 +12,11 @@ from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
 from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, choice_seed, is_chat, is_int
 from thunder_batch.drafts import Drafter, accepted_tokens
 from thunder_batch.kv_cache import bytes_per_token
+from thunder_batch.observe import Observers, StepEvent
 from thunder_batch.request import GenerationResult, Request, StepOutput, joined_outputs
 from thunder_batch.runner import Runner, program_stats
 from thunder_batch.scheduler import Scheduler
+from thunder_batch.step_plan import StepPlan
 from thunder_batch.text_encoding import text_encoder
 
 
@@ -27,7 +29,7 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, prompt_style=None) -> None:
         self.config = config or EngineConfig()
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer = model, tokenizer
         self.prompt_style = prompt_style or prompt_style_for(model.config)
         self.runner = Runner(model, self.config)
         cfg = self.config
@@ -43,6 +45,7 @@ class Engine:
         self._seeds = random.Random()  # seeds for requests that bring none
         self._longest_token: int | None = None  # characters in the longest vocabulary entry (0: unknown)
         self._counters = dict(steps=0, generated_tokens=0, prompt_tokens=0, finished_requests=0)
+        self.observers = Observers()  # callables given each step's StepEvent (the server's metrics, the bench)
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir=None, config: EngineConfig | None = None, dtype=None, device="cpu"):
@@ -196,65 +199,68 @@ class Engine:
         # The programs follow replaced weights; kept entries computed by other weights must not be reused.
         if self.runner.follow_weights():
             self.reset_prefix_cache()
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
         if self.drafter is not None:
             plan = self.drafter.propose(plan)
-        start = time.perf_counter()
+        planned = time.perf_counter()
         try:
             result = self.runner.run(plan)
         except BaseException:  # the caches may be half written: no prompt may take entries from them
             self.scheduler.step_failed(plan)
             raise
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - planned
         self._counters["steps"] += 1
         outputs = [output for work in plan.work if (output := self._advance(work, result)) is not None]
+        shape = self.runner.shape_for(plan)
         if self.drafter is not None and (plan.verify or not plan.busy_lanes):  # the gate weighs decode steps
-            self.drafter.gate.record(self.runner.shape_for(plan).lanes if plan.verify else "plain", seconds)
+            self.drafter.gate.record(shape.lanes if plan.verify else "plain", seconds)
+        timing = (planned - start, result.inputs_seconds, seconds)
+        self.observers.notify(StepEvent(plan, shape, shape.describe(self.config), *timing, tuple(outputs)))
         return outputs
 
+    def probe_step(self) -> float:
+        """One step with every slot empty (its padding writes only scratch entries), observed like any: raises if
+        stepping fails (the server's health probe); returns its seconds. Changes no request."""
+        plan = StepPlan([])
+        start = time.perf_counter()
+        result = self.runner.run(plan)
+        seconds = time.perf_counter() - start
+        shape = self.runner.shape_for(plan)
+        self.observers.notify(StepEvent(plan, shape, shape.describe(self.config), 0.0, result.inputs_seconds, seconds))
+        return seconds
+
     def _advance(self, work, result) -> StepOutput | None:
-        """Count a work's fed tokens and append what it sampled (None: it samples nothing yet)."""
+        """After the step, one slot's work: its prompt logprobs, counters, and what it sampled appended
+        (Scheduler.postprocess); None while it samples nothing."""
         request = work.request
         if result.row_logprobs is not None and request.params.prompt_logprobs is not None:
             self._score_prompt(work, result)
-        if work.draft:
-            output = self._verified(work, result)
-        else:
-            request.num_cached += len(work.token_ids)
-            if request.num_cached <= len(request.prompt_ids):
-                self._counters["prompt_tokens"] += len(work.token_ids)
-            if not work.samples:
-                return None
-            self._counters["generated_tokens"] += 1
-            top = result.top[work.slot] if result.top is not None else None
-            output = request.append(result.tokens[work.slot], result.logprobs[work.slot], top)
+        self._counters["prompt_tokens"] += min(len(work.token_ids), max(len(request.prompt_ids) - work.start_pos, 0))
+        outputs = self.scheduler.postprocess(work, self._sampled(work, result))
+        self._counters["generated_tokens"] += len(outputs)
         if request.finished:
             self._counters["finished_requests"] += 1
-            self.scheduler.remove(request)
             if self.drafter is not None:
                 self.drafter.finished(request.request_id)
-        return output
+        return joined_outputs(outputs) if outputs else None
 
-    def _verified(self, work, result) -> StepOutput:
-        """A verify lane's tokens (drafts.accepted_tokens) appended one by one, as plain decoding would
-        append them, up to the one that finishes the request; its kept entries end at the last one fed."""
-        request, first = work.request, work.lane * (self.config.speculative_tokens + 1)
-        if request.num_cached < len(request.prompt_ids):  # the pending token fed is the prompt's last
-            self._counters["prompt_tokens"] += 1
-        samples = result.verify_tokens[first : first + len(work.token_ids)]
-        tokens = accepted_tokens(work.draft, samples)
+    def _sampled(self, work, result) -> list[tuple]:
+        """(token, logprob, alternatives) sampled after a work's tokens: one where its slot samples, a verify
+        lane's accepted tokens (drafts.accepted_tokens), none while a prompt is still being read."""
+        if not work.draft:
+            if not work.samples:
+                return []
+            top = result.top[work.slot] if result.top is not None else None
+            return [(result.tokens[work.slot], result.logprobs[work.slot], top)]
+        first = work.lane * (self.config.speculative_tokens + 1)
+        tokens = accepted_tokens(work.draft, result.verify_tokens[first : first + len(work.token_ids)])
         self.drafter.record(work, len(tokens) - 1)
-        outputs = []
-        for row, token in enumerate(tokens, start=first):
-            top = result.verify_top[row] if result.verify_top is not None else None
-            outputs.append(request.append(token, result.verify_logprobs[row], top))
-            if request.finished:
-                break
-        request.num_cached += len(outputs)  # the pending token, then the accepted drafts before the last token
-        self._counters["generated_tokens"] += len(outputs)
-        return joined_outputs(outputs)
+        rows = range(first, first + len(tokens))
+        tops = [result.verify_top[r] if result.verify_top is not None else None for r in rows]
+        return list(zip(tokens, [result.verify_logprobs[r] for r in rows], tops))
 
     def _score_prompt(self, work, result) -> None:
         """Record the logprobs of the prompt tokens that follow this work's rows (a `_prompt` head)."""
@@ -306,18 +312,12 @@ class Engine:
         """Compile (or load) the step program for every step shape now; seconds per shape (described)."""
         return self.runner.warmup(progress)
 
-    def stats(self) -> dict:
-        """Counters: steps, tokens, requests; `prompt_tokens` (every prompt token of the requests admitted:
+    def counters(self) -> dict:
+        """What the engine has done and holds, cheap enough for every step: steps, generated_tokens,
+        finished_requests, `prompt_tokens` (every prompt token of the requests admitted:
         `prompt_tokens_computed` fed to the model, `prompt_tokens_reused` taken from a slot's cache),
         `prefix_cache_queries` / `prefix_cache_hits` (prompt tokens looked up / found, as vLLM counts),
-        `prefix_store_tokens` (tokens of the prefixes kept in host memory); `cache_misses` (step shapes
-        made: one per shape in `step_shapes`, whatever the traffic), `programs` (per piece: prefix, block,
-        head variants),
-        `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache),
-        `thunder_traces` (traces Thunder itself counts: a retrace shows here), and `compile_seconds`
-        (per piece: `compile_seconds_by_piece`), `stacked_shapes` (step shapes whose layers run as one native
-        loop: compile.block_op); with speculative decoding, `speculative`: verify steps,
-        draft tokens proposed and accepted."""
+        `prefix_store_tokens` (tokens of the prefixes kept in host memory), `running` and `waiting` requests."""
         computed, scheduler = self._counters["prompt_tokens"], self.scheduler
         return dict(
             self._counters,
@@ -327,11 +327,23 @@ class Engine:
             prefix_cache_queries=scheduler.prefix_queries,
             prefix_cache_hits=scheduler.prefix_hits,
             prefix_store_tokens=scheduler.store.tokens if scheduler.store is not None else 0,
+            running=scheduler.num_running(),
+            waiting=len(scheduler.waiting),
+        )
+
+    def stats(self) -> dict:
+        """`counters()`, and the step programs': `cache_misses` (step shapes made: one per shape in
+        `step_shapes`, whatever the traffic), `programs` (per piece: prefix, block, head variants),
+        `traced`/`disk_cache_hits` (pieces traced here / loaded from the compile cache),
+        `thunder_traces` (traces Thunder itself counts: a retrace shows here), and `compile_seconds`
+        (per piece: `compile_seconds_by_piece`), `stacked_shapes` (step shapes whose layers run as one native
+        loop: compile.block_op); with speculative decoding, `speculative`: verify steps,
+        draft tokens proposed and accepted."""
+        return dict(
+            self.counters(),
             **program_stats(self.runner),
             **({} if self.drafter is None else dict(speculative=self.drafter.stats())),
             step_shapes=[shape.describe(self.config) for shape in self.config.step_shapes],
-            running=self.scheduler.num_running(),
-            waiting=len(self.scheduler.waiting),
         )
 
 

@@ -5,7 +5,8 @@ every write is one flat index op. `index_copy_2d` / `index_select_2d` have the s
 `batched_index_copy_` / `batched_index_select`; the step's own KV write (`index_copy_rows`: rows of
 any slot) and `index_copy_2d` (row b writes slot b) share one lowering, `index_copy_flat`:
 - on CPU a row copy (`index_copy_` of whole rows of `t` seen as [B * P * S, *post]): `scatter_`
-  writes element by element, 50x slower for bfloat16 on CPU, 10x for float32;
+  writes element by element, many times slower, bfloat16 most (benchmarks/RESULTS.md, "Sizing a CPU
+  box", the KV cache write);
 - on CUDA a `scatter_` of the same rows, the form nvFuser claims (with `nv_enable_scatter`), so the
   write can sit inside a fusion.
 """

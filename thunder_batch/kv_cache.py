@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from thunder_batch.index_ops import index_copy_flat
-from thunder_batch.prefix_store import PrefixRestore, PrefixSave
+from thunder_batch.step_plan import PrefixRestore, PrefixSave
 
 
 class SlotKVCache(nn.Module):

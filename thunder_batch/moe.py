@@ -10,7 +10,8 @@ expert) pairs, each with shapes fixed by N (`benchmarks/moe_layer.py` measured t
 
 - `grouped`: the pairs sorted by expert, one `torch._grouped_mm` per projection with the group ends
   as data: the active experts' FLOPs and weights only. Used wherever torch runs it for the layer's
-  shapes, dtype and device (probed once when the layer is stacked): fastest at every N measured.
+  shapes, dtype and device (probed once when the layer is stacked): fastest at every N measured
+  (benchmarks/RESULTS.md, "Mixture-of-experts layer: which fixed-shape layout").
 - `gathered`: each pair's expert weights gathered from the stacks, one batched matmul per pair;
   copies the active experts' weights. Otherwise, while N * k < E.
 - `dense`: every expert over every row, weighted by the routing (zero off each row's top k): E / k

@@ -12,27 +12,6 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class PrefixSave:
-    """Cache entries 0 .. end-1 of slot `src` copied to host memory as stored prefix `entry`, before the
-    step (and before any copy into `src`): the slot's kept entries, about to be written over."""
-
-    src: int
-    entry: int
-    end: int
-
-
-@dataclass(frozen=True)
-class PrefixRestore:
-    """Entries `start .. end-1` of stored prefix `entry` copied into slot `dst` before the step."""
-
-    entry: int
-    dst: int
-    start: int
-    end: int
 
 
 class PrefixStore:

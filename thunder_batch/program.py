@@ -10,6 +10,8 @@ sequence: the eager run is the oracle for the compiled one.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from litgpt.model import do_softcapping
 from torch import nn
@@ -68,6 +70,30 @@ class BlockStep(nn.Module):
         cos, sin = layer_rope(cos, sin, self.rope_table)  # [N, 1, n_elem]: this layer's table
         shared = StepShared(cos, sin, kv_rows, decode_mask, lane_slot, lane_mask)
         return block_forward(self.block, self.cache, x, shared, self.lane_len, self.experts, self.verify, self.one_call)
+
+
+class StepInputs(NamedTuple):
+    """The tensors of one step, in the order every step program takes them: named here once, read by name."""
+
+    idx: torch.Tensor  # [N] token ids (0 where padding); N = B decode rows + lanes * C
+    input_pos: torch.Tensor  # [N] positions; padding carries its scratch entry (>= S)
+    row_slot: torch.Tensor  # [N] the slot whose cache each row writes and reads
+    key_pos: torch.Tensor  # [L] 0 .. L-1: the cache entries this step reads
+    last_row: torch.Tensor  # [B] each slot's last real row (its decode row when it samples nothing)
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    target: torch.Tensor | None = None  # [N] int64: the next prompt token of each row a `_prompt` head scores
+    # (0 where none), or each row's slot for a verify head
+
+    def prefix_args(self) -> tuple[torch.Tensor, ...]:
+        """StepPrefix's arguments."""
+        return self.idx, self.input_pos, self.row_slot, self.key_pos
+
+    def head_args(self, x: torch.Tensor) -> tuple:
+        """A head's arguments after the layers' output x [N, C] (StepHead.forward, VerifyHead.forward)."""
+        return x, self.input_pos, self.last_row, self.temperature, self.top_k, self.top_p, self.seed, self.target
 
 
 HEADS = ("filtered", "unsorted", "greedy")  # the samplers; each head variant is one of them
@@ -183,41 +209,20 @@ class StepProgram(nn.Module):
             for block, cache, step in zip(gpt.transformer.h, self.caches, steps)
         )
 
-    def forward(
-        self,
-        idx,
-        input_pos,
-        row_slot,
-        key_pos,
-        last_row,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        target=None,
-        head: str | tuple[str, ...] = "filtered",
-    ):
-        """head: a variant, or a tuple of them: the layers run once and each head on their output (a
-        tuple of their outputs), so a warm-up makes every head without running the layers again."""
-        step_args = (idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed, target)
+    def forward(self, *inputs: torch.Tensor, head: str | tuple[str, ...] = "filtered"):
+        """inputs: the StepInputs' tensors in their order. head: a variant, or a tuple of them: the layers run
+        once and each head on their output (a tuple of their outputs), so a warm-up makes every head without
+        running the layers again."""
         heads = [self.heads[h] for h in head] if isinstance(head, tuple) else self.heads[head]
-        return run_step(self.prefix, list(self.blocks), heads, *step_args)
+        return run_step(self.prefix, list(self.blocks), heads, StepInputs(*inputs))
 
 
-def run_step(
-    prefix, blocks, head, idx, input_pos, row_slot, key_pos, last_row, temperature, top_k, top_p, seed, target=None
-):
-    """Next token for every slot after feeding the step's rows.
-
-    idx, input_pos, row_slot: [N] token, position and slot of each row (B decode rows, then lanes);
-    key_pos: [L], the cache entries read (0 .. L-1); last_row: [B], each slot's last real row;
-    temperature, top_p: [B] float32; top_k, seed: [B] int64; target: [N] int64, the token each row
-    is scored against by a `_prompt` head (0 where none; None without one). Returns (token [B], logprob [B]) and the
-    head variant's extras (see StepHead). `prefix`, each of `blocks` and `head` are the pieces
-    (modules, or their compiled programs); `head` may be a list of heads: a tuple of their outputs.
-    """
-    x, *shared = prefix(idx, input_pos, row_slot, key_pos)
+def run_step(prefix, blocks, head, inputs: StepInputs):
+    """Next token for every slot after feeding the step's rows: (token [B], logprob [B]) and the head
+    variant's extras (see StepHead). `prefix`, each of `blocks` and `head` are the pieces (modules, or their
+    compiled programs); `head` may be a list of heads: a tuple of their outputs."""
+    x, *shared = prefix(*inputs.prefix_args())
     for block in blocks:
         x = block(x, *shared)
-    head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed, target)
+    head_args = inputs.head_args(x)
     return tuple(h(*head_args) for h in head) if isinstance(head, list) else head(*head_args)

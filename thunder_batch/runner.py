@@ -15,38 +15,10 @@ from thunder_batch.config import EngineConfig, StepShape
 from thunder_batch.kv_cache import copy_entries
 from thunder_batch.model import check_supported
 from thunder_batch.moe import restack
-from thunder_batch.program import HEADS, StepProgram
+from thunder_batch.program import HEADS, StepInputs, StepProgram
 from thunder_batch.sampler import needs_sort
-from thunder_batch.scheduler import SlotWork, StepPlan
+from thunder_batch.step_plan import SlotWork, StepPlan
 from thunder_batch.weights import WeightWatch, copy_weights
-
-
-@dataclass
-class StepInputs:
-    idx: torch.Tensor  # [N] token ids (0 where padding); N = B decode rows + lanes * C
-    input_pos: torch.Tensor  # [N] positions; padding carries its scratch entry (>= S)
-    row_slot: torch.Tensor  # [N] the slot whose cache each row writes and reads
-    key_pos: torch.Tensor  # [L] 0 .. L-1: the cache entries this step reads
-    last_row: torch.Tensor  # [B] each slot's last real row (its decode row when it samples nothing)
-    temperature: torch.Tensor  # [B] float32
-    top_k: torch.Tensor  # [B] int64, 0 = off
-    top_p: torch.Tensor  # [B] float32
-    seed: torch.Tensor  # [B] int64
-    target: torch.Tensor  # [N] int64: the next prompt token of each row scored by a `_prompt` head, else 0
-
-    def as_args(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self.idx,
-            self.input_pos,
-            self.row_slot,
-            self.key_pos,
-            self.last_row,
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.seed,
-            self.target,
-        )
 
 
 @dataclass
@@ -64,6 +36,7 @@ class StepResult:
     verify_tokens: list[int] | None = None
     verify_logprobs: list[float] | None = None
     verify_top: list[list[tuple[int, float]]] | None = None
+    inputs_seconds: float = 0.0  # building the step's input tensors
 
 
 class Runner:
@@ -158,19 +131,19 @@ class Runner:
             target = row_slot
         long, dev = torch.int64, self.device
         return StepInputs(
-            torch.tensor(idx, dtype=long, device=dev),
-            torch.tensor(pos, dtype=long, device=dev),
-            torch.tensor(row_slot, dtype=long, device=dev),
-            torch.arange(shape.length, dtype=long, device=dev),
-            torch.tensor(last, dtype=long, device=dev),
-            torch.tensor(temperature, dtype=torch.float32, device=dev),
-            torch.tensor(top_k, dtype=long, device=dev),
-            torch.tensor(top_p, dtype=torch.float32, device=dev),
-            torch.tensor(seed, dtype=long, device=dev),
-            torch.tensor(target, dtype=long, device=dev),
+            idx=torch.tensor(idx, dtype=long, device=dev),
+            input_pos=torch.tensor(pos, dtype=long, device=dev),
+            row_slot=torch.tensor(row_slot, dtype=long, device=dev),
+            key_pos=torch.arange(shape.length, dtype=long, device=dev),
+            last_row=torch.tensor(last, dtype=long, device=dev),
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=dev),
+            top_k=torch.tensor(top_k, dtype=long, device=dev),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
+            seed=torch.tensor(seed, dtype=long, device=dev),
+            target=torch.tensor(target, dtype=long, device=dev),
         )
 
-    def probe_inputs(self, rows: int, length: int, verify: bool = False) -> tuple[torch.Tensor, ...]:
+    def probe_inputs(self, rows: int, length: int, verify: bool = False) -> StepInputs:
         """Step arguments of `rows` rows and `length` entries read in which every row is real, for the
         compile cache's load-time check (a warm-up's rows are all padding, touching scratch entries only):
         lane p feeds slot p the chunk ending at entry length - 1, so it reads what it writes; every other
@@ -188,17 +161,17 @@ class Runner:
         if verify:
             target = torch.tensor(row_slot)
         long, dev = torch.int64, self.device
-        return (
-            idx.to(dev),
-            torch.tensor(pos, dtype=long, device=dev),
-            torch.tensor(row_slot, dtype=long, device=dev),
-            torch.arange(length, dtype=long, device=dev),
-            torch.tensor(last, dtype=long, device=dev),
-            torch.full((B,), 0.8, dtype=torch.float32, device=dev),
-            torch.full((B,), 5, dtype=long, device=dev),
-            torch.full((B,), 0.9, dtype=torch.float32, device=dev),
-            torch.arange(1, B + 1, dtype=long, device=dev),
-            target.to(dev),
+        return StepInputs(
+            idx=idx.to(dev),
+            input_pos=torch.tensor(pos, dtype=long, device=dev),
+            row_slot=torch.tensor(row_slot, dtype=long, device=dev),
+            key_pos=torch.arange(length, dtype=long, device=dev),
+            last_row=torch.tensor(last, dtype=long, device=dev),
+            temperature=torch.full((B,), 0.8, dtype=torch.float32, device=dev),
+            top_k=torch.full((B,), 5, dtype=long, device=dev),
+            top_p=torch.full((B,), 0.9, dtype=torch.float32, device=dev),
+            seed=torch.arange(1, B + 1, dtype=long, device=dev),
+            target=target.to(dev),
         )
 
     def first_row(self, work: SlotWork) -> int:
@@ -247,7 +220,7 @@ class Runner:
         head = heads[0] if len(heads) == 1 else heads  # one head: the call the steps make
         fn = self.verify_fn if shape.verify else self.step_fn
         with torch.no_grad(), outputs_unused(fn):
-            fn(*self.inputs_for(StepPlan([], verify=shape.verify), shape).as_args(), head=head)
+            fn(*self.inputs_for(StepPlan([], verify=shape.verify), shape), head=head)
 
     def run(self, plan: StepPlan, head: str | None = None, shape: StepShape | None = None) -> StepResult:
         """One step; returns the sampled token and its logprob for every slot (one host sync), and
@@ -258,30 +231,23 @@ class Runner:
         fn = self.verify_fn if plan.verify else self.step_fn
         with torch.no_grad():
             self.copy_prefixes(plan.copies, plan.dropped)
-            out = fn(*self.inputs_for(plan, shape).as_args(), head=f"verify_{head}" if plan.verify else head)
-        if plan.verify:
-            return _verify_result(out)
-        result = StepResult(out[0].tolist(), out[1].tolist())
-        if len(out) > 2:
-            result.top = _pairs(out[2], out[3])
-        if len(out) > 4:
-            result.row_logprobs, result.row_top = out[4].tolist(), _pairs(out[5], out[6])
+            start = time.perf_counter()
+            inputs = self.inputs_for(plan, shape)
+            inputs_seconds = time.perf_counter() - start
+            out = fn(*inputs, head=f"verify_{head}" if plan.verify else head)
+        result = _verify_result(out) if plan.verify else _step_result(out)
+        result.inputs_seconds = inputs_seconds
         return result
 
 
-def time_steps(runner: Runner, record) -> None:
-    """Time every step of this runner: record(shape description, seconds) after each (wraps this
-    instance's `run`; the class is untouched). The server's /metrics and the benchmarks read it."""
-    run = runner.run
-
-    def timed(plan, head=None, shape=None):
-        start = time.perf_counter()
-        try:
-            return run(plan, head, shape)
-        finally:
-            record((shape or runner.shape_for(plan)).describe(runner.config), time.perf_counter() - start)
-
-    runner.run = timed
+def _step_result(out: tuple) -> StepResult:
+    """A head's outputs as lists (see StepResult)."""
+    result = StepResult(out[0].tolist(), out[1].tolist())
+    if len(out) > 2:
+        result.top = _pairs(out[2], out[3])
+    if len(out) > 4:
+        result.row_logprobs, result.row_top = out[4].tolist(), _pairs(out[5], out[6])
+    return result
 
 
 def _verify_result(out: tuple) -> StepResult:

@@ -103,9 +103,10 @@ def nucleus_threshold(sorted_vals: Tensor, in_top_k: Tensor, top_p: Tensor) -> T
 
 def draw_small_top_k(scaled: Tensor, noise: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """The Gumbel-max draw of rows with 0 < top_k <= SMALL_TOP_K among their top-k / top-p tokens, from
-    their K largest values (`torch.topk`: ~35x cheaper than sorting 49,152); other rows' values are
-    meaningless. scaled, noise: [B, V]; top_k, top_p: [B] -> token [B]. Ties at a row's k-th value:
-    K of them are candidates (the full sort's mask keeps them all)."""
+    their K largest values (`torch.topk`: far cheaper than sorting 49,152, benchmarks/RESULTS.md, "Sampling
+    steps: top-k without the sort"); other rows' values are meaningless. scaled, noise: [B, V]; top_k,
+    top_p: [B] -> token [B]. Ties at a row's k-th value: K of them are candidates (the full sort's mask
+    keeps them all)."""
     K = min(SMALL_TOP_K, scaled.shape[-1])
     top, ids = torch.topk(scaled, K, dim=-1)  # [B, K] descending, their vocabulary ids
     rank = torch.arange(K, device=scaled.device)  # [K]

@@ -4,56 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
-from thunder_batch.prefix_store import PrefixRestore, PrefixSave, PrefixStore, common_prefix
-from thunder_batch.request import Request
-
-
-@dataclass(frozen=True)
-class SlotWork:
-    """Tokens one slot feeds this step, from position `start_pos`: one token through the slot's
-    decode row (`lane` None), or up to a chunk through prefill lane `lane`. `samples` is True when
-    they are all of the request's pending tokens, so the token sampled after them is a real output.
-    In a verify step (`StepPlan.verify`) a drafting slot's `lane` is a verify lane and `token_ids` are
-    its pending token then `draft`, the guessed tokens after it (see drafts.py)."""
-
-    slot: int
-    request: Request
-    token_ids: list[int]
-    start_pos: int
-    samples: bool
-    lane: int | None = None
-    draft: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class PrefixCopy:
-    """Cache entries `start .. end-1` of slot `src` copied into slot `dst` before the step (every layer's
-    K and V): a prompt prefix another slot already holds, not computed again."""
-
-    src: int
-    dst: int
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    work: list[SlotWork]
-    copies: tuple[PrefixCopy | PrefixSave | PrefixRestore, ...] = ()  # done, in order, before the step runs
-    verify: bool = False  # lanes are verify lanes (drafts checked), not prefill lanes
-    dropped: tuple[int, ...] = ()  # stored prefixes to free once the copies are done
-
-    @property
-    def busy_lanes(self) -> int:
-        """Prefill (or verify) lanes this step feeds (0: every slot feeds its decode row)."""
-        return sum(w.lane is not None for w in self.work)
-
-    @property
-    def span(self) -> int:
-        """Cache entries this step must read: every fed token's position is below it."""
-        return max((w.start_pos + len(w.token_ids) for w in self.work), default=1)
+from thunder_batch.prefix_store import PrefixStore, common_prefix
+from thunder_batch.request import Request, StepOutput
+from thunder_batch.step_plan import PrefixCopy, PrefixRestore, PrefixSave, SlotWork, StepPlan
 
 
 class Scheduler:
@@ -129,6 +83,25 @@ class Scheduler:
             request.slot = None
         elif request in self.waiting:
             self.waiting.remove(request)
+
+    def postprocess(self, work: SlotWork, sampled: list[tuple]) -> list[StepOutput]:
+        """After a step, one slot's work: its tokens are in the slot's cache, and the tokens sampled after them,
+        (token, logprob, alternatives), are appended one by one up to the one that finishes the request (a
+        verify lane's cache keeps its pending token and the accepted drafts appended); a finished request
+        leaves its slot. Returns each appended token's StepOutput."""
+        request = work.request
+        if not work.draft:
+            request.num_cached += len(work.token_ids)
+        outputs = []
+        for token, logprob, top in sampled:
+            outputs.append(request.append(token, logprob, top))
+            if request.finished:
+                break
+        if work.draft:
+            request.num_cached += len(outputs)
+        if request.finished:
+            self.remove(request)
+        return outputs
 
     def drop_kept(self) -> None:
         """Forget every slot's kept tokens and every stored prefix (weights changed, a step failed): free

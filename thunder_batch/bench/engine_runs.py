@@ -20,6 +20,7 @@ from thunder_batch.bench.metrics import PeakMemory, RequestTrace
 from thunder_batch.bench.system import BenchContext, SystemRun, fresh_model, progress_bar
 from thunder_batch.bench.workloads import BenchRequest
 from thunder_batch.config import EngineConfig, SamplingParams
+from thunder_batch.observe import StepEvent
 
 # system name -> executors (None: eager; (): Thunder with the default executors, `executors=None`).
 # sdpa is listed so attention is not decomposed.
@@ -41,34 +42,17 @@ class StepRecord:
 
 
 class StepRecorder:
-    """Times every `runner.run(plan)` of one engine, and the building of its input tensors (wraps the
-    instance's methods; the Runner class is untouched)."""
+    """Every step of one engine (an observer: `Engine.observers`), and the seconds spent building their input
+    tensors."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self) -> None:
         self.steps: list[StepRecord] = []
-        self.original = runner.run
         self.inputs_seconds = 0.0
-        build_inputs = runner.inputs_for
 
-        def inputs_for(plan, shape=None):
-            start = time.perf_counter()
-            try:
-                return build_inputs(plan, shape)
-            finally:
-                self.inputs_seconds += time.perf_counter() - start
-
-        runner.inputs_for = inputs_for
-
-        def run(plan):
-            start = time.perf_counter()
-            out = self.original(plan)
-            seconds = time.perf_counter() - start
-            shape = runner.shape_for(plan)
-            spans = tuple((w.start_pos, len(w.token_ids)) for w in plan.work)
-            self.steps.append(StepRecord(shape.lanes, shape.length, spans, seconds))
-            return out
-
-        runner.run = run
+    def __call__(self, event: StepEvent) -> None:
+        spans = tuple((w.start_pos, len(w.token_ids)) for w in event.plan.work)
+        self.steps.append(StepRecord(event.shape.lanes, event.shape.length, spans, event.seconds))
+        self.inputs_seconds += event.inputs_seconds
 
 
 def engine_config(system: str, batch_size: int, ctx: BenchContext, cache_dir: str | None) -> EngineConfig:
@@ -164,18 +148,16 @@ def host_share(recorder: StepRecorder, wall: float) -> dict:
     )
 
 
-def profile_decode_step(run, batch_size: int, top: int = 12) -> dict:
-    """Profile one padding-only decode step at the ladder's first rung (a decode step computes all B rows)."""
+def profile_decode_step(probe_step, batch_size: int, top: int = 12) -> dict:
+    """Profile one padding-only decode step at the ladder's first rung (a decode step computes all B rows):
+    `probe_step`, the engine's."""
     from torch.profiler import ProfilerActivity, profile
 
-    from thunder_batch.scheduler import StepPlan
-
-    plan = StepPlan([])
-    run(plan)  # warm
+    probe_step()  # warm
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     start = time.perf_counter()
     with profile(activities=activities) as prof:
-        run(plan)
+        probe_step()
     step_s = time.perf_counter() - start
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in events) or 1
@@ -192,8 +174,9 @@ def run_engine(gpt, workload: list[BenchRequest], system: str, batch_size: int, 
     with PeakMemory(ctx.device) as memory:
         engine, compile_info, notes = compile_engine(gpt, system, batch_size, ctx)
         traced_before = engine.stats()["thunder_traces"]
-        recorder = StepRecorder(engine.runner)
+        recorder = engine.observers.add(StepRecorder())
         traces, wall = drive(engine, workload, ctx, f"{system} B={batch_size}")
+        engine.observers.remove(recorder)
     stats = engine.stats()
     extra = dict(
         engine_stats={k: v for k, v in stats.items() if k != "step_shapes"},
@@ -202,7 +185,7 @@ def run_engine(gpt, workload: list[BenchRequest], system: str, batch_size: int, 
         host=host_share(recorder, wall),
     )
     if ctx.profile:
-        extra["profile"] = profile_decode_step(recorder.original, batch_size)
+        extra["profile"] = profile_decode_step(engine.probe_step, batch_size)
     precision = str(gpt.lm_head.weight.dtype).removeprefix("torch.")
     print(
         f"[bench] {system} {precision} B={batch_size}: {sum(len(t.token_ids) for t in traces)} tokens in {wall:.1f}s",

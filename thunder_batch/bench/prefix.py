@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from thunder_batch.config import SamplingParams
+from thunder_batch.observe import StepEvent
 
 PREFIX_DATASETS = ("multi-turn", "shared-prefix")
 QUESTION_LEN = 40  # shared-prefix: each request's own tokens after the system prompt
@@ -136,24 +137,19 @@ def drive_burst(engine, prompts: list[list[int]], max_new_tokens: int) -> list[d
 
 class ScheduleTimer:
     """Seconds the engine's scheduler spends planning (admission and prefix matching are host work), and
-    every plan as (request, first position, tokens) per fed request: which request goes when."""
+    every plan as (request, first position, tokens) per fed request: which request goes when (an observer:
+    `Engine.observers`)."""
 
-    def __init__(self, scheduler) -> None:
-        self.seconds, self.schedule, self.plans = 0.0, scheduler.schedule, []
+    def __init__(self) -> None:
+        self.seconds, self.plans = 0.0, []
 
-        def timed():
-            start = time.perf_counter()
-            plan = self.schedule()
-            self.seconds += time.perf_counter() - start
-            if plan is not None:
-                self.plans.append(sorted((w.request.request_id, w.start_pos, len(w.token_ids)) for w in plan.work))
-            return plan
-
-        scheduler.schedule = timed  # on the instance: `del scheduler.schedule` restores the class's
+    def __call__(self, event: StepEvent) -> None:
+        self.seconds += event.schedule_seconds
+        self.plans.append(sorted((w.request.request_id, w.start_pos, len(w.token_ids)) for w in event.plan.work))
 
 
 def run_once(engine, bench: PrefixBench, workload: str) -> dict:
-    timer = ScheduleTimer(engine.scheduler)
+    timer = engine.observers.add(ScheduleTimer())
     start, before = time.perf_counter(), engine.stats()
     if workload == "multi-turn":
         records = drive_conversations(engine, bench.turns, bench.max_new_tokens)
@@ -162,7 +158,7 @@ def run_once(engine, bench: PrefixBench, workload: str) -> dict:
             engine, bench.prompts if workload == "shared-prefix" else bench.control, bench.max_new_tokens
         )
     wall, stats = time.perf_counter() - start, engine.stats()
-    del engine.scheduler.schedule  # the instance attribute ScheduleTimer set: the class's method again
+    engine.observers.remove(timer)
     counted = ("steps", "prompt_tokens", "prompt_tokens_computed", "prompt_tokens_reused", "generated_tokens")
     return dict(
         wall_s=wall,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from thunder_batch.bench.options import BenchOptions
 from thunder_batch.bench.prefix import QUESTION_LEN, PrefixBench, build_prefix_bench, compare, run_once
 from thunder_batch.config import EngineConfig
 
@@ -48,7 +49,7 @@ def run_prefix_bench(gpt, tokenizer, bench: PrefixBench, systems: dict, base: En
     return results
 
 
-def run_prefix_benchmark(gpt, tokenizer, opts: dict) -> dict:
+def run_prefix_benchmark(gpt, tokenizer, options: BenchOptions) -> dict:
     """`thunder-batch bench --dataset multi-turn|shared-prefix`: build the workload from the bench's
     options, run every engine system of `systems` off and on, print the comparison, write JSON."""
     import json
@@ -56,59 +57,59 @@ def run_prefix_benchmark(gpt, tokenizer, opts: dict) -> dict:
     from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
     from thunder_batch.bench.report import machine_info, write_json
 
-    names = [n.split("@")[0] for n in opts["systems"].split(",") if n.split("@")[0] in ENGINE_SYSTEMS]
-    systems = {n: engine_overrides(n, opts["cache_dir"]) for n in names or ["eager"]}
-    batch_size = int(str(opts["batch_size"]).split(",")[0])
+    names = [n.split("@")[0] for n in options.systems.split(",") if n.split("@")[0] in ENGINE_SYSTEMS]
+    systems = {n: engine_overrides(n, options.cache_dir) for n in names or ["eager"]}
+    batch_size = int(str(options.batch_size).split(",")[0])
     encode = None if tokenizer is None else (lambda text: tokenizer.encode(text).tolist())
-    multi = opts["dataset"] == "multi-turn"
+    multi = options.dataset == "multi-turn"
     bench = build_prefix_bench(
-        opts["dataset"],
-        opts["num_requests"],
-        opts["max_new_tokens"],
+        options.dataset,
+        options.num_requests,
+        options.max_new_tokens,
         batch_size,
-        turns=opts["turns"],
-        turn_len=opts["input_len"],
-        system_len=opts["input_len"],
-        seed=opts["seed"],
+        turns=options.turns,
+        turn_len=options.input_len,
+        system_len=options.input_len,
+        seed=options.seed,
         encode=encode,
         vocab_size=gpt.config.padded_vocab_size,
     )
-    base = base_config(opts, batch_size)
-    results = run_prefix_bench(gpt, tokenizer, bench, systems, base, opts.get("repeats", 1))
+    base = base_config(options, batch_size)
+    results = run_prefix_bench(gpt, tokenizer, bench, systems, base, options.repeats)
     summary = dict(
-        dataset=opts["dataset"],
+        dataset=options.dataset,
         batch_size=batch_size,
-        num_requests=opts["num_requests"],
-        turns=opts["turns"] if multi else None,
-        input_len=opts["input_len"],
-        max_new_tokens=opts["max_new_tokens"],
+        num_requests=options.num_requests,
+        turns=options.turns if multi else None,
+        input_len=options.input_len,
+        max_new_tokens=options.max_new_tokens,
         max_seq_length=base.max_seq_length,
-        repeats=opts.get("repeats", 1),
+        repeats=options.repeats,
         precision=str(gpt.lm_head.weight.dtype).removeprefix("torch."),
         results=results,
         meta=dict(machine_info(gpt.lm_head.weight.device), command=" ".join(sys.argv)),
     )
     print(json.dumps(_headline(summary), indent=1))
-    if opts["output_json"]:
-        write_json(summary, opts["output_json"])
+    if options.output_json:
+        write_json(summary, options.output_json)
     return summary
 
 
-def base_config(opts: dict, batch_size: int) -> EngineConfig:
+def base_config(options: BenchOptions, batch_size: int) -> EngineConfig:
     """The engine shape of the run; max_seq_length None: the longest prompt + reply, rounded up to 64."""
     import math
 
-    if opts["dataset"] == "multi-turn":
-        need = opts["turns"] * (opts["input_len"] + opts["max_new_tokens"])
+    if options.dataset == "multi-turn":
+        need = options.turns * (options.input_len + options.max_new_tokens)
     else:
-        need = opts["input_len"] + QUESTION_LEN + opts["max_new_tokens"]
+        need = options.input_len + QUESTION_LEN + options.max_new_tokens
     return EngineConfig(
         batch_size=batch_size,
-        max_seq_length=opts["max_seq_length"] or 64 * math.ceil(need / 64),
-        prefill_chunk=opts["prefill_chunk"],
-        prefill_lanes=min(opts["prefill_lanes"], batch_size),
-        max_prefill_lanes=opts["max_prefill_lanes"],
-        prefix_store_mb=opts.get("prefix_store_mb", 1024),
+        max_seq_length=options.max_seq_length or 64 * math.ceil(need / 64),
+        prefill_chunk=options.prefill_chunk,
+        prefill_lanes=min(options.prefill_lanes, batch_size),
+        max_prefill_lanes=options.max_prefill_lanes,
+        prefix_store_mb=options.prefix_store_mb,
     )
 
 

@@ -3,16 +3,18 @@
 Workloads live in `workloads`, litgpt's loops in `baselines`, transformers in `hf_transformers`, the engine
 runs in `engine_runs` (all follow `system`); which (system, precision, B) runs are made in `plan`; numbers,
 checks and targets in `report` (over `metrics`); the table and plot in `output`. This module runs it all
-(`run_benchmark`); the `thunder-batch bench` command (cli.bench) loads the model and calls it.
+(`run_benchmark`) as its `options` (BenchOptions) say; the `thunder-batch bench` command
+(thunder_batch/cli/bench.py) loads the model and calls it.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
+from thunder_batch.bench.options import BenchOptions
 from thunder_batch.bench.plan import (
     ALL_SYSTEMS,
     parse_batch_sizes,
@@ -24,7 +26,7 @@ from thunder_batch.bench.plan import (
 __all__ = ["ALL_SYSTEMS", "parse_batch_sizes", "parse_precisions", "parse_systems", "run_benchmark"]
 
 
-def unavailable_systems(systems: list[str], online: bool, opts: dict) -> dict[str, str]:
+def unavailable_systems(systems: list[str], options: BenchOptions) -> dict[str, str]:
     """system -> why it cannot run here (missing executor, package or build, or offline-only peer in an online run)."""
     from thunder_batch.bench import llama_cpp
     from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
@@ -33,13 +35,13 @@ def unavailable_systems(systems: list[str], online: bool, opts: dict) -> dict[st
 
     skipped = {}
     if llama_cpp.SYSTEM in systems:
-        why = llama_cpp.unavailable(opts.get("llama_cpp_bin"), opts.get("llama_cpp_gguf"))
+        why = llama_cpp.unavailable(options.llama_cpp_bin, options.llama_cpp_gguf)
         if why:
             skipped[llama_cpp.SYSTEM] = why
-    if online and "litgpt-batched" in systems:
+    if options.online and "litgpt-batched" in systems:
         skipped["litgpt-batched"] = "batched_generate_fn has no arrivals: offline workloads only"
     for s in [s for s in systems if s in HF_SYSTEMS]:
-        why = "static batches have no arrivals: offline workloads only" if online else hf_unavailable()
+        why = "static batches have no arrivals: offline workloads only" if options.online else hf_unavailable()
         if why:
             skipped[s] = why
     thunder = [s for s in systems if s.startswith("thunder-")]
@@ -69,66 +71,65 @@ def run_system(name: str, gpt, workload, batch_size: int | None, ctx):
     return engine_runs.run_engine(gpt, workload, name, batch_size, ctx)
 
 
-def make_workload(gpt, tokenizer, prompt_style, opts: dict):
+def make_workload(gpt, tokenizer, prompt_style, options: BenchOptions):
     from thunder_batch.bench.workloads import build_workload, fitted_max_seq_length
     from thunder_batch.chat import apply_chat
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(apply_chat(prompt_style, [dict(role="user", content=text)])).tolist()
 
-    limit = opts["max_seq_length"] or gpt.config.block_size
+    limit = options.max_seq_length or gpt.config.block_size
     workload = build_workload(
-        opts["dataset"],
-        opts["num_requests"],
-        opts["max_new_tokens"],
-        seed=opts["seed"],
-        input_len=opts["input_len"],
-        range_ratio=opts["range_ratio"],
-        request_rate=opts["request_rate"],
+        options.dataset,
+        options.num_requests,
+        options.max_new_tokens,
+        seed=options.seed,
+        input_len=options.input_len,
+        range_ratio=options.range_ratio,
+        request_rate=options.request_rate,
         vocab_size=gpt.config.padded_vocab_size,
         encode=None if tokenizer is None else encode,
         max_seq_length=limit,
     )
-    max_seq_length = opts["max_seq_length"] or min(fitted_max_seq_length(workload), gpt.config.block_size)
+    max_seq_length = options.max_seq_length or min(fitted_max_seq_length(workload), gpt.config.block_size)
     return workload, max_seq_length
 
 
-def run_benchmark(gpt, tokenizer=None, prompt_style=None, model_label: str = "model", **opts) -> dict:
-    """Run the benchmark on a loaded litgpt GPT (tokenizer may be None with dataset="random"); returns the
-    result dict that --output-json writes. Options are `bench`'s arguments, minus model loading; the
-    model's label gets the run's precisions appended."""
+def run_benchmark(gpt, tokenizer=None, prompt_style=None, *, options: BenchOptions, model_label: str = "model") -> dict:
+    """Run the benchmark on a loaded litgpt GPT (tokenizer may be None with dataset="random"), on the
+    model's device; returns the result dict that --output-json writes. The model's label gets the run's
+    precisions appended."""
     from thunder_batch.bench.metrics import measure_peaks
     from thunder_batch.bench.system import BenchContext
 
-    opts = {**DEFAULTS, **opts}
-    precisions = parse_precisions(opts["precisions"], precision_of(gpt))
-    specs = parse_systems(opts["systems"])
-    plan = plan_runs(specs, precisions, parse_batch_sizes(opts["batch_size"]))
+    precisions = parse_precisions(options.precisions, precision_of(gpt))
+    specs = parse_systems(options.systems)
+    plan = plan_runs(specs, precisions, parse_batch_sizes(options.batch_size))
     models = converted_models(gpt, precisions)
-    workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, opts)
-    ctx = BenchContext.from_options(gpt, tokenizer, opts, max_seq_length)
-    skipped = unavailable_systems([s.name for s in specs], not math.isinf(opts["request_rate"]), opts)
-    plan = [p for p in plan if p[0] not in skipped and not skip_precision(p, opts, skipped)]
-    peaks = measure_peaks(ctx.device, precisions, opts["matmul_n"], opts["copy_mb"])
+    workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, options)
+    ctx = BenchContext.from_options(gpt, tokenizer, options, max_seq_length)
+    skipped = unavailable_systems([s.name for s in specs], options)
+    plan = [p for p in plan if p[0] not in skipped and not skip_precision(p, options, skipped)]
+    peaks = measure_peaks(ctx.device, precisions, options.matmul_n, options.copy_mb)
     model_label = f"{model_label} {','.join(precisions)}"
     started = time.time()
     runs = []
     for name, precision, B in plan:
         runs.append(run_system(name, models[precision], workload, B, ctx))
         runs[-1].precision = precision
-        if opts["output_json"]:  # partial results survive an interrupted run
-            write_result(runs, models, workload, ctx, opts, peaks, skipped, model_label, started)
-    result = write_result(runs, models, workload, ctx, opts, peaks, skipped, model_label, started)
-    emit(result, opts)
+        if options.output_json:  # partial results survive an interrupted run
+            write_result(runs, models, workload, ctx, options, peaks, skipped, model_label, started)
+    result = write_result(runs, models, workload, ctx, options, peaks, skipped, model_label, started)
+    emit(result, options)
     return result
 
 
-def skip_precision(run: tuple, opts: dict, skipped: dict) -> bool:
+def skip_precision(run: tuple, options: BenchOptions, skipped: dict) -> bool:
     """A llama.cpp run at a precision no given GGUF holds: noted in `skipped`, not run."""
     from thunder_batch.bench import llama_cpp
 
     name, precision, _ = run
-    if name != llama_cpp.SYSTEM or precision in llama_cpp.ggufs_by_precision(opts["llama_cpp_gguf"]):
+    if name != llama_cpp.SYSTEM or precision in llama_cpp.ggufs_by_precision(options.llama_cpp_gguf):
         return False
     skipped[f"{name}@{precision}"] = f"no GGUF of {precision} among --llama_cpp_gguf"
     return True
@@ -147,51 +148,19 @@ def converted_models(gpt, precisions: list[str]) -> dict:
     return {p: gpt if p == precision_of(gpt) else copy.deepcopy(gpt).to(getattr(torch, p)) for p in precisions}
 
 
-def write_result(runs, models, workload, ctx, opts, peaks, skipped, model_label, started) -> dict:
+def write_result(runs, models, workload, ctx, options: BenchOptions, peaks, skipped, model_label, started) -> dict:
     from thunder_batch.bench.report import machine_info, write_json
 
-    result = assemble(runs, models, workload, ctx, opts, peaks, skipped, model_label)
+    result = assemble(runs, models, workload, ctx, options, peaks, skipped, model_label)
     result["meta"] = dict(
         machine_info(ctx.device), started_unix=started, duration_s=time.time() - started, command=" ".join(sys.argv)
     )
-    if opts["output_json"]:
-        write_json(result, opts["output_json"])
+    if options.output_json:
+        write_json(result, options.output_json)
     return result
 
 
-DEFAULTS = dict(
-    dataset="prompts",
-    num_requests=32,
-    max_new_tokens=64,
-    input_len=128,
-    range_ratio=0.5,
-    batch_size="8",
-    prefill_chunk=64,
-    prefill_lanes=2,
-    max_prefill_lanes=None,
-    attention_lengths=None,
-    max_seq_length=None,
-    prefix_reuse=True,
-    prefix_store_mb=1024,
-    request_rate=math.inf,
-    seed=0,
-    ignore_eos=False,
-    systems=",".join(ALL_SYSTEMS),
-    precisions=None,
-    cache_dir=None,
-    warm_compile=True,
-    profile=False,
-    llama_cpp_bin=None,
-    llama_cpp_gguf=None,
-    output_json=None,
-    plot=None,
-    progress=True,
-    matmul_n=2048,
-    copy_mb=256,
-)  # sizes of the peak-rate measurements (small in tests)
-
-
-def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_label) -> dict:
+def assemble(runs, models: dict, workload, ctx, options: BenchOptions, peaks, skipped, model_label) -> dict:
     from thunder_batch.bench import report
     from thunder_batch.bench.metrics import ModelCost
     from thunder_batch.bench.workloads import describe
@@ -203,13 +172,13 @@ def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_labe
     reference = report.check_all(runs, metrics)
     table, baseline = report.speedups(metrics)
     cost = next(iter(costs.values()))  # parameter counts do not depend on the precision
-    mode = "offline" if math.isinf(opts["request_rate"]) else f"online {opts['request_rate']} req/s"
-    label = f"{model_label}, {opts['dataset']}, {len(workload)} requests, {mode}"
+    mode = f"online {options.request_rate} req/s" if options.online else "offline"
+    label = f"{model_label}, {options.dataset}, {len(workload)} requests, {mode}"
     return dict(
         workload=dict(
             describe(workload),
             label=label,
-            dataset=opts["dataset"],
+            dataset=options.dataset,
             mode=mode,
             max_seq_length=ctx.max_seq_length,
             prefill_chunk=ctx.prefill_chunk,
@@ -217,9 +186,9 @@ def assemble(runs, models: dict, workload, ctx, opts, peaks, skipped, model_labe
             max_prefill_lanes=ctx.max_prefill_lanes,
             attention_lengths=ctx.attention_lengths,
             ignore_eos=ctx.ignore_eos,
-            seed=opts["seed"],
+            seed=options.seed,
         ),
-        options={k: str(v) if isinstance(v, Path) else v for k, v in opts.items()},
+        options={k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(options).items()},
         peaks=peaks,
         model=dict(
             label=model_label,
@@ -242,12 +211,12 @@ def equal_outputs(workload, ctx) -> bool:
     return ctx.ignore_eos and len({r.max_new_tokens for r in workload}) == 1
 
 
-def emit(result: dict, opts: dict) -> None:
+def emit(result: dict, options: BenchOptions) -> None:
     from thunder_batch.bench.output import plot, print_report
 
     print_report(result)
-    if opts["output_json"]:
-        print(f"wrote {opts['output_json']}", file=sys.stderr)
-    if opts["plot"]:
-        plot(result, opts["plot"])
-        print(f"wrote {opts['plot']}", file=sys.stderr)
+    if options.output_json:
+        print(f"wrote {options.output_json}", file=sys.stderr)
+    if options.plot:
+        plot(result, options.plot)
+        print(f"wrote {options.plot}", file=sys.stderr)

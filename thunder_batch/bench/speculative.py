@@ -11,6 +11,8 @@ import json
 import sys
 import time
 
+from thunder_batch.bench.options import BenchOptions
+
 
 def parse_ks(text) -> list[int]:
     """ "0,4,8" -> [0, 4, 8] (k = 0 first: the baseline every other k is compared with)."""
@@ -53,12 +55,9 @@ def ceiling_speedup(prompts, outputs, k: int, ngram_min: int, ngram_max: int, ba
     return makespan(plain, batch_size) / makespan(checked, batch_size)
 
 
-def is_decode_step(engine) -> bool:
-    """Whether the next step feeds no prompt token: every busy slot decodes and nothing waits for a free slot."""
-    scheduler = engine.scheduler
-    busy = [r for r in scheduler.slots if r is not None]
-    admits = scheduler.waiting and len(busy) < len(scheduler.slots)
-    return not admits and all(len(r.pending_ids()) == 1 for r in busy)
+def is_decode_plan(plan) -> bool:
+    """Whether a step fed no prompt token but a slot's last: every slot fed one pending token (and its drafts)."""
+    return all(len(w.token_ids) - len(w.draft) == 1 for w in plan.work)
 
 
 def run_once(engine, workload, ignore_eos: bool) -> dict:
@@ -71,17 +70,20 @@ def run_once(engine, workload, ignore_eos: bool) -> dict:
     ]
     steps = decode_steps = decode_tokens = 0
     decode_s = 0.0
+    plans: list = []  # each step's plan, as the engine ran it
+    watch = engine.observers.add(lambda event: plans.append(event.plan))
     start = time.perf_counter()
     while engine.has_unfinished():
-        decode = is_decode_step(engine)
+        ran = len(plans)
         before = time.perf_counter()
         outputs = engine.step()
-        if decode:
+        if len(plans) > ran and is_decode_plan(plans[-1]):
             decode_s += time.perf_counter() - before
             decode_steps += 1
             decode_tokens += sum(len(o.token_ids) for o in outputs)
         steps += 1
     wall = time.perf_counter() - start
+    engine.observers.remove(watch)
     return dict(
         wall_s=wall,
         steps=steps,
@@ -94,7 +96,7 @@ def run_once(engine, workload, ignore_eos: bool) -> dict:
 
 
 def run_speculative_bench(
-    gpt, tokenizer, workload, systems: dict, base: dict, ks: list[int], batch_sizes, opts
+    gpt, tokenizer, workload, systems: dict, base: dict, ks: list[int], batch_sizes, options: BenchOptions
 ) -> list:
     """One row per (system, B, k): the run's numbers and its ratios to k = 0 at the same system and B.
     base: EngineConfig fields shared by every run."""
@@ -111,7 +113,7 @@ def run_speculative_bench(
                 config = EngineConfig(**fields, **overrides)
                 engine = Engine(gpt, config, tokenizer=tokenizer)
                 engine.warmup()
-                run = run_once(engine, workload, opts["ignore_eos"])
+                run = run_once(engine, workload, options.ignore_eos)
                 spec = engine.stats().get("speculative", {})
                 baseline = baseline or run
                 ngrams = (config.speculative_ngram_min, config.speculative_ngram_max)
@@ -140,7 +142,7 @@ def _row(system: str, batch_size: int, k: int, run: dict, spec: dict, baseline: 
     )
 
 
-def run_speculative_benchmark(gpt, tokenizer, prompt_style, opts: dict) -> list:
+def run_speculative_benchmark(gpt, tokenizer, prompt_style, options: BenchOptions) -> list:
     """`bench` with --speculative_tokens other than 0: the dataset's workload (prompts, grounded or
     random) through the engine systems of `systems` (thunder-default when none is named), each batch
     size of --batch_size, each k; prints one JSON row per run, writes them all to --output_json."""
@@ -150,27 +152,28 @@ def run_speculative_benchmark(gpt, tokenizer, prompt_style, opts: dict) -> list:
     from thunder_batch.bench.report import machine_info, write_json
     from thunder_batch.bench.run import make_workload
 
-    named = [] if opts["systems"] == ",".join(ALL_SYSTEMS) else opts["systems"].split(",")
+    named = [] if options.systems == ",".join(ALL_SYSTEMS) else options.systems.split(",")
     names = [n.split("@")[0] for n in named if n.split("@")[0] in ENGINE_SYSTEMS] or ["thunder-default"]
-    systems = {n: engine_overrides(n, opts["cache_dir"]) for n in names}
-    workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, opts)
+    systems = {n: engine_overrides(n, options.cache_dir) for n in names}
+    workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, options)
     base = dict(
         max_seq_length=max_seq_length,
-        prefill_chunk=opts["prefill_chunk"],
-        prefill_lanes=opts["prefill_lanes"],
-        prefix_reuse=opts["prefix_reuse"],
+        prefill_chunk=options.prefill_chunk,
+        prefill_lanes=options.prefill_lanes,
+        prefix_reuse=options.prefix_reuse,
     )
-    batch_sizes = [int(b) for b in str(opts["batch_size"]).split(",")]
-    rows = run_speculative_bench(gpt, tokenizer, workload, systems, base, opts["ks"], batch_sizes, opts)
+    batch_sizes = [int(b) for b in str(options.batch_size).split(",")]
+    ks = parse_ks(options.speculative_tokens)
+    rows = run_speculative_bench(gpt, tokenizer, workload, systems, base, ks, batch_sizes, options)
     print(json.dumps(rows, indent=1))
-    if opts["output_json"]:
+    if options.output_json:
         summary = dict(
-            dataset=opts["dataset"],
+            dataset=options.dataset,
             num_requests=len(workload),
-            max_new_tokens=opts["max_new_tokens"],
+            max_new_tokens=options.max_new_tokens,
             precision=str(gpt.lm_head.weight.dtype).removeprefix("torch."),
             results=rows,
             meta=dict(machine_info(gpt.lm_head.weight.device), command=" ".join(sys.argv)),
         )
-        write_json(summary, opts["output_json"])
+        write_json(summary, options.output_json)
     return rows

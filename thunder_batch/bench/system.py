@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from thunder_batch.bench.metrics import RequestTrace
+from thunder_batch.bench.options import BenchOptions
 from thunder_batch.bench.plan import parse_lengths
 
 
@@ -41,26 +42,26 @@ class BenchContext:
     prefix_store_mb: int = 1024  # host memory for kept prefixes that new prompts write over
 
     @classmethod
-    def from_options(cls, gpt, tokenizer, opts: dict, max_seq_length: int) -> BenchContext:
-        """The context of one `thunder-batch bench` run from its options (bench/cli.py's DEFAULTS keys)."""
+    def from_options(cls, gpt, tokenizer, options: BenchOptions, max_seq_length: int) -> BenchContext:
+        """The context of one `thunder-batch bench` run (thunder_batch/cli/bench.py) from its options."""
         return cls(
             device=gpt.lm_head.weight.device,
             max_seq_length=max_seq_length,
-            prefill_chunk=min(opts["prefill_chunk"], max_seq_length),
-            prefill_lanes=opts["prefill_lanes"],
-            max_prefill_lanes=opts["max_prefill_lanes"],
-            attention_lengths=parse_lengths(opts["attention_lengths"], max_seq_length),
+            prefill_chunk=min(options.prefill_chunk, max_seq_length),
+            prefill_lanes=options.prefill_lanes,
+            max_prefill_lanes=options.max_prefill_lanes,
+            attention_lengths=parse_lengths(options.attention_lengths, max_seq_length),
             eos_id=getattr(tokenizer, "eos_id", None),
-            ignore_eos=opts["ignore_eos"],
+            ignore_eos=options.ignore_eos,
             tokenizer=tokenizer,
-            progress=opts["progress"],
-            cache_dir=None if opts["cache_dir"] is None else str(opts["cache_dir"]),
-            warm_compile=opts["warm_compile"],
-            profile=opts["profile"],
-            llama_cpp_bin=None if opts.get("llama_cpp_bin") is None else str(opts["llama_cpp_bin"]),
-            llama_cpp_gguf=opts.get("llama_cpp_gguf"),
-            prefix_reuse=opts.get("prefix_reuse", True),
-            prefix_store_mb=opts.get("prefix_store_mb", 1024),
+            progress=options.progress,
+            cache_dir=None if options.cache_dir is None else str(options.cache_dir),
+            warm_compile=options.warm_compile,
+            profile=options.profile,
+            llama_cpp_bin=None if options.llama_cpp_bin is None else str(options.llama_cpp_bin),
+            llama_cpp_gguf=options.llama_cpp_gguf,
+            prefix_reuse=options.prefix_reuse,
+            prefix_store_mb=options.prefix_store_mb,
         )
 
     @property

@@ -1,107 +1,42 @@
-"""`thunder-batch bench`: load the model and run the benchmark (`bench.run.run_benchmark`)."""
+"""`thunder-batch bench`: load the model and run the benchmark (`bench.run.run_benchmark`).
+
+Its flags are the benchmark's options (`bench.options.BenchOptions`) and the model's (ModelOptions):
+one dataclass holding both, BenchFlags, which jsonargparse follows from `bench(**flags)`."""
 
 from __future__ import annotations
 
-import math
+import inspect
+import typing
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
 
-from thunder_batch.bench.plan import ALL_SYSTEMS
+from thunder_batch.bench.options import BenchOptions
 from thunder_batch.cli.options import ModelOptions
 
 
-def bench(
-    dataset: Literal["prompts", "grounded", "random", "multi-turn", "shared-prefix"] = "prompts",
-    num_requests: int = 32,
-    max_new_tokens: int = 64,
-    input_len: int = 128,
-    range_ratio: float = 0.5,
-    batch_size: str = "8",
-    prefill_chunk: int = 64,
-    prefill_lanes: int = 2,
-    max_prefill_lanes: int | None = None,
-    attention_lengths: str | None = None,
-    max_seq_length: int | None = None,
-    turns: int = 8,
-    repeats: int = 1,
-    prefix_reuse: bool = True,
-    prefix_store_mb: int = 1024,
-    speculative_tokens: str = "0",
-    request_rate: float = math.inf,
-    seed: int = 0,
-    ignore_eos: bool = False,
-    systems: str = ",".join(ALL_SYSTEMS),
-    precisions: str | None = None,
-    device: str = "cpu",
-    cache_dir: Path | None = None,
-    warm_compile: bool = True,
-    profile: bool = False,
-    llama_cpp_bin: Path | None = None,
-    llama_cpp_gguf: str | None = None,
-    output_json: Path | None = None,
-    plot: Path | None = None,
-    progress: bool = True,
-    **model,
-) -> None:
+def _args_section(cls: type) -> str:
+    """The entries of a dataclass docstring's Args section: the flags' help."""
+    return inspect.cleandoc(cls.__doc__).partition("Args:\n")[2]
+
+
+@dataclass(frozen=True)
+class BenchFlags(ModelOptions, BenchOptions):
+    # jsonargparse reads a flag's help from this class's own docstring only: both Args sections, joined.
+    __doc__ = f"`thunder-batch bench`'s flags.\n\nArgs:\n{_args_section(BenchOptions)}\n{_args_section(ModelOptions)}"
+
+    def bench_options(self) -> BenchOptions:
+        """The benchmark's options alone (the model's are the command's: it loads the model)."""
+        return BenchOptions(**{f.name: getattr(self, f.name) for f in fields(BenchOptions)})
+
+
+# The generated __init__ would evaluate its fields' annotations (strings) in this module, which lacks the
+# names they use; get_type_hints evaluates each in its own class's module, so jsonargparse sees real types.
+BenchFlags.__init__.__annotations__ = {**typing.get_type_hints(BenchFlags), "return": None}
+
+
+def bench(**flags) -> None:
     """Benchmark the engine (eager and under Thunder per executor) against litgpt's generate_fn and
     batched_generate_fn on the same requests and weights; greedy tokens are checked across systems.
-
-    Args:
-        dataset: "prompts": the shipped real prompts (chat template applied); "grounded": shipped chat
-            prompts holding a passage to repeat, summarize or edit; "random": random token ids;
-            "multi-turn": `num_requests` conversations of `turns` turns, each turn the conversation so far
-            and `input_len` new user tokens; "shared-prefix": `num_requests` requests at once sharing an
-            `input_len`-token system prompt, each with 40 tokens of its own, and a control workload
-            sharing nothing. Both run each engine system of `systems` with prefix reuse off and on and
-            compare them (other systems and options are ignored; `batch_size`: the first one).
-        num_requests: Number of requests (N).
-        max_new_tokens: Most tokens per request; each request's limit is drawn uniformly from
-            [max_new_tokens * (1 - range_ratio), max_new_tokens].
-        input_len: Mean prompt length of the random dataset.
-        range_ratio: Spread of the seeded length distributions (0: all lengths equal).
-        batch_size: Engine slots B, or a sweep such as "1,4,8,16".
-        prefill_chunk: Prompt tokens a prefill lane feeds per step (C).
-        prefill_lanes: Prefill lanes per step (P, at most B): prompts read at once beside the decode rows.
-        max_prefill_lanes: Widest step while many slots have prompt left (4x, 16x ... P lanes); None: B.
-        attention_lengths: Comma-separated rungs of the attention-length ladder, e.g. "256,512"; None:
-            the engine's default (256, 512, ... up to max_seq_length).
-        max_seq_length: KV cache length per slot; None fits the workload (rounded up to 64).
-        turns: Turns per conversation of the multi-turn dataset.
-        repeats: Runs of each multi-turn / shared-prefix workload with reuse off and on, alternating; the
-            fastest of each is compared (the machine's noise).
-        prefix_reuse: Engines keep their slots' caches for prompts sharing a prefix (the other datasets).
-        prefix_store_mb: Host memory (MiB) for kept prefixes that new prompts write over (0: none, so
-            only the slots keep prefixes).
-        speculative_tokens: Comma-separated draft lengths k, e.g. "0,4,8": other than "0", runs the
-            engine systems of `systems` (thunder-default when none is named) at each batch size and each
-            k on the dataset, greedy, and reports decode tok/s, tokens per decode step, the drafts'
-            acceptance rate and whether every request's tokens equal those of k = 0.
-        request_rate: Requests per second of a Poisson arrival process; inf sends all at once (offline).
-        seed: Seed of the workload (lengths, random tokens, prompt order, arrival times).
-        ignore_eos: Generate exactly each request's token limit, ignoring the end-of-sequence token.
-        systems: Comma-separated systems to run, from litgpt-sequential, litgpt-batched, eager,
-            thunder-default (the engine's default executors), thunder-torch, thunder-torchcompile,
-            thunder-nvfuser, hf-transformers, hf-transformers-compile
-            (Hugging Face transformers' generate on static batches; the `hf` extra), llama.cpp (its server
-            with B slots, from --llama_cpp_bin and --llama_cpp_gguf). A system may be restricted to some
-            precisions and batch sizes: `name@precision[/precision]:B[/B]`, e.g. "thunder-torch@float32:32"
-            runs thunder-torch in float32 at B=32 only; a plain name runs every precision at every batch size.
-        precisions: Comma-separated precisions, e.g. "float32,bfloat16"; None: the model's --precision.
-            The checkpoint is loaded once in --precision; each other precision runs on a converted copy.
-            Peak matmul FLOP/s is measured per precision; litgpt-sequential's fastest precision is the
-            baseline of vs_litgpt_sequential, the other ratios and the greedy-token checks compare runs of
-            the same precision.
-        device: "cpu" or "cuda".
-        cache_dir: Compile cache root; None uses a fresh temporary dir so cold compile is a real trace.
-        warm_compile: Also time a second engine loading the compiled programs from the compile cache.
-        profile: Profile one decode step of every engine run (top ops by self time).
-        llama_cpp_bin: A llama.cpp build's bin/ folder holding llama-server, for the `llama.cpp` system
-            (None: $LLAMA_CPP_BIN). Without it (or a GGUF) that system is skipped with a line saying how.
-        llama_cpp_gguf: Comma-separated f32 and/or bf16 GGUF files of the checkpoint, made by llama.cpp's
-            own converter; each serves the run's precision it holds (benchmarks/RESULTS.md, Peer setup).
-        output_json: Write every number, versions and machine info here.
-        plot: Write a PNG here: tokens/s vs batch size per system, and the TTFT distribution.
-        progress: tqdm progress bars on stderr.
     """
     from thunder_batch.bench.prefix import PREFIX_DATASETS
     from thunder_batch.bench.prefix_run import run_prefix_benchmark
@@ -110,47 +45,15 @@ def bench(
     from thunder_batch.chat import prompt_style_for
     from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
 
-    options = {k: v for k, v in locals().items() if k in RUN_OPTIONS}
-    model = ModelOptions(**model)  # the engine's shape options are bench's own: it sweeps batch sizes
-    checkpoint_dir = default_checkpoint_dir() if model.checkpoint_dir is None else model.checkpoint_dir
-    gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=model.dtype, device=device)
-    if dataset in PREFIX_DATASETS:
-        run_prefix_benchmark(gpt, tokenizer, dict(options, turns=turns, repeats=repeats))
+    command = BenchFlags(**flags)  # the engine's shape options are bench's own: it sweeps batch sizes
+    options = command.bench_options()
+    checkpoint_dir = default_checkpoint_dir() if command.checkpoint_dir is None else command.checkpoint_dir
+    gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=command.dtype, device=options.device)
+    if options.dataset in PREFIX_DATASETS:
+        run_prefix_benchmark(gpt, tokenizer, options)
         return
-    ks = parse_ks(speculative_tokens)
-    if ks != [0]:
-        run_speculative_benchmark(gpt, tokenizer, prompt_style_for(config, checkpoint_dir), dict(options, ks=ks))
+    prompt_style = prompt_style_for(config, checkpoint_dir)
+    if parse_ks(options.speculative_tokens) != [0]:
+        run_speculative_benchmark(gpt, tokenizer, prompt_style, options)
         return
-    run_benchmark(
-        gpt, tokenizer, prompt_style_for(config, checkpoint_dir), model_label=Path(checkpoint_dir).name, **options
-    )
-
-
-RUN_OPTIONS = (
-    "dataset",
-    "num_requests",
-    "max_new_tokens",
-    "input_len",
-    "range_ratio",
-    "batch_size",
-    "prefill_chunk",
-    "prefill_lanes",
-    "max_prefill_lanes",
-    "attention_lengths",
-    "max_seq_length",
-    "prefix_reuse",
-    "prefix_store_mb",
-    "request_rate",
-    "seed",
-    "ignore_eos",
-    "systems",
-    "precisions",
-    "cache_dir",
-    "warm_compile",
-    "profile",
-    "llama_cpp_bin",
-    "llama_cpp_gguf",
-    "output_json",
-    "plot",
-    "progress",
-)
+    run_benchmark(gpt, tokenizer, prompt_style, options=options, model_label=Path(checkpoint_dir).name)

@@ -27,7 +27,7 @@ def fill(options, root: Path) -> None:
         f"programs per piece {stats['programs']})",
         file=sys.stderr,
     )
-    again = Engine(engine.runner.gpt, config, engine.tokenizer, engine.prompt_style)  # a fresh runner, same weights
+    again = Engine(engine.model, config, engine.tokenizer, engine.prompt_style)  # a fresh runner, same weights
     warm = sum(again.warmup(progress=True).values())
     loaded = again.stats()["disk_cache_hits"]
     print(

@@ -1,8 +1,9 @@
 """Decode attention claimed by the project's executor: `scaled_dot_product_attention` of a decode step's
 few query rows per K/V group (q [B, G, Q <= 16, D], an additive mask [B, 1, 1, L]) runs on the native
 kernel (thunder_batch.native: every slot's keys and values read once for all of its group's query
-rows; torch's CPU flash kernel costs 1.3-2x that at these shapes, benchmarks/RESULTS.md). Prefill
-lanes (many query rows, a mask per row) stay with torch's.
+rows; torch's CPU flash kernel costs more at these shapes: benchmarks/RESULTS.md, "AVX2: the native
+kernels on every x86-64 CPU", its decode attention). Prefill lanes (many query rows, a mask per row) stay
+with torch's.
 
 A decode-only step's whole attention, KV writes included (`model.decode_rows_attention`), is one operator
 of the executor: the native `decode_rows_attention` where this kernel runs, the model's own ops elsewhere;

@@ -65,7 +65,8 @@ def _root_inductor_caches(path: Path) -> None:
     """Inductor's own caches (compiled C++, FX graphs) under the compile cache root, unless the user
     chose a place ($TORCHINDUCTOR_CACHE_DIR): Inductor writes its default there itself on first use.
     Which SIMD instructions the compiler and CPU allow is a fact of the machine, not of a compile: it
-    is probed first, in Inductor's default place (~7 s of test builds once per machine, not per root)."""
+    is probed first, in Inductor's default place (seconds of test builds once per machine, not per root:
+    benchmarks/RESULTS.md, "The default executors in one `thunder-batch bench` run, quiet machine")."""
     from torch._inductor import cpu_vec_isa
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 

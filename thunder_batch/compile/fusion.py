@@ -1,12 +1,12 @@
 """Thunder fusion regions compiled by Inductor once and stored: the "inductor" fusion executor.
 
 Thunder's own torchcompile executor hands each region to `torch.compile`, so every call of a region
-pays Dynamo's frame evaluation and guards (measured: slower than no fusion at 1-8 rows on CPU), and
-nothing of it can be stored. Here a region (the same torch ops Thunder would give torch.compile) is
-traced to an FX graph on its first call, with its real inputs (shapes, dtypes, strides), compiled by
-Inductor's standalone compiler, and called directly afterwards: no guards. The compiled artifact is
-stored under the compile cache root and loaded, checked, the next time the same region appears: in a
-stored piece, or traced again (`fused_region`).
+pays Dynamo's frame evaluation and guards (measured slower than no fusion at 1-8 rows on CPU:
+benchmarks/RESULTS.md, "The fused step"), and nothing of it can be stored. Here a region (the same torch
+ops Thunder would give torch.compile) is traced to an FX graph on its first call, with its real inputs
+(shapes, dtypes, strides), compiled by Inductor's standalone compiler, and called directly afterwards: no
+guards. The compiled artifact is stored under the compile cache root and loaded, checked, the next time
+the same region appears: in a stored piece, or traced again (`fused_region`).
 
 Regions never hold the KV cache writes (in place, see `inplace`), attention (the sdpa executor) or
 linears (the project's kernels or torch): they fuse the elementwise work between them. A region of
@@ -65,8 +65,9 @@ def _executor_class():
 
         def fusion_pass(self, trace):
             self._written = written_aliases(trace.bound_symbols)
-            # A region of views alone moves no data: torch's own views cost ~1 us each, a compiled
-            # region's call 20-40 us (4 of a decode step's 9 regions per layer were views alone).
+            # A region of views alone moves no data, and a compiled region's call costs many times a
+            # torch view (benchmarks/RESULTS.md, "A decode-only step's attention as one op"); 4 of a
+            # decode step's 9 regions per layer were views alone.
             self.required_ops = {b.sym.id for b in trace.bound_symbols if b.sym.name not in VIEW_OPS}
             return super().fusion_pass(trace)
 

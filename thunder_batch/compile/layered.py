@@ -29,7 +29,7 @@ from thunder_batch.compile.load_check import checked_call
 from thunder_batch.compile.piece_store import PieceStore
 from thunder_batch.compile.pieces import SharedTraces, TracedPiece, trace_piece
 from thunder_batch.compile.project_executor import EXECUTOR, PACKED, ProjectKernelsMode
-from thunder_batch.program import StepProgram
+from thunder_batch.program import StepInputs, StepProgram
 
 
 @dataclass
@@ -70,7 +70,7 @@ class LayeredProgram:
         config,
         options: dict,
         store: EntryStore | None,
-        probe_inputs: Callable[[int, int], tuple] | None = None,
+        probe_inputs: Callable[[int, int], StepInputs] | None = None,
     ) -> None:
         self.program, self.config, self.options, self.store = program, config, options, store
         self.probe_inputs = probe_inputs
@@ -85,8 +85,8 @@ class LayeredProgram:
         self.jitted: list = []  # every function Thunder jitted here, duplicate block traces included
         self.calls = 0
         # False during a warm-up (`compile.step.outputs_unused`): its outputs are thrown away, so a layer
-        # whose program an earlier layer ran is bound without running (at fp32 B=64 those runs were 9 of a
-        # 19 s warm start).
+        # whose program an earlier layer ran is bound without running (at B=64 those runs were about half
+        # of a warm start: benchmarks/RESULTS.md, "The server's own cost per step, and a warm start at B=64").
         self.outputs_used = True
         self.seconds: Counter = Counter()  # piece kind -> seconds making its programs (first calls included)
         names = [getattr(ex, "name", None) for ex in options.get("executors", ())]
@@ -101,32 +101,20 @@ class LayeredProgram:
         return artifacts_in(self.store.root if self.store is not None and self.store.writable else None)
 
     @torch.no_grad()
-    def __call__(
-        self,
-        idx,
-        input_pos,
-        row_slot,
-        key_pos,
-        last_row,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        target=None,
-        head: str | tuple[str, ...] = "filtered",
-    ):
+    def __call__(self, *inputs: torch.Tensor, head: str | tuple[str, ...] = "filtered"):
+        """inputs: the StepInputs' tensors in their order; head: as StepProgram.forward's."""
         self.calls += 1
-        rows, length = int(idx.shape[0]), int(key_pos.shape[0])
+        step = StepInputs(*inputs)
+        rows, length = int(step.idx.shape[0]), int(step.key_pos.shape[0])
         shape = self._shapes.get((rows, length))
         if shape is None:
             shape = self._shapes[rows, length] = _Shape(rows, length, self.ignored, self._heads.setdefault(rows, {}))
             shape.may_stack = self._may_stack(rows)
-        x, *shared = self._prefix(shape, (idx, input_pos, row_slot, key_pos))
+        x, *shared = self._prefix(shape, step.prefix_args())
         x = self._blocks(shape, x, shared)
-        head_args = (x, input_pos, last_row, temperature, top_k, top_p, seed, target)
         if isinstance(head, tuple):  # a warm-up: every head on one run of the layers
-            return tuple(self._head(shape, h, head_args) for h in head)
-        return self._head(shape, head, head_args)
+            return tuple(self._head(shape, h, step.head_args(x)) for h in head)
+        return self._head(shape, head, step.head_args(x))
 
     # -- pieces -------------------------------------------------------------------------------
     def _head(self, shape: _Shape, head: str, args: tuple):
@@ -151,10 +139,10 @@ class LayeredProgram:
         if shape.probe is None:
             if self.probe_inputs is None:
                 return _Probe(args, args, args)
-            idx, input_pos, row_slot, key_pos, *sampling = self.probe_inputs(shape.rows, shape.length)
+            step = self.probe_inputs(shape.rows, shape.length)
             with self._eager_linears():
-                x, *shared = self.program.prefix(idx, input_pos, row_slot, key_pos)
-            shape.probe = _Probe((idx, input_pos, row_slot, key_pos), (x, *shared), (x, input_pos, *sampling))
+                x, *shared = self.program.prefix(*step.prefix_args())
+            shape.probe = _Probe(step.prefix_args(), (x, *shared), step.head_args(x))
         return shape.probe
 
     def _blocks(self, shape: _Shape, x: torch.Tensor, shared: list) -> torch.Tensor:
@@ -228,9 +216,11 @@ class LayeredProgram:
         """(the piece bound to a new layer, its outputs); a stored piece is checked against the eager
         module on the `probe()` inputs before its first use, and one that fails is dropped: (None, None).
         Once is enough: the layers it serves next pass the same prologue checks and run the same program
-        (checking all 30 layers was 40 of a 53 s warm start at B=64). In a warm-up those later layers are
-        bound, not run: their input stands for their output, and their weights are packed as the layer
-        that ran the program packed its own (else a server's first decode step packed 29 layers: ~2.3 s)."""
+        (checking all 30 layers was most of a warm start at B=64: benchmarks/RESULTS.md, "The server's own
+        cost per step, and a warm start at B=64"). In a warm-up those later layers are bound, not run: their
+        input stands for their output, and their weights are packed as the layer that ran the program packed
+        its own (else a server's first decode step packed 29 layers: RESULTS.md, "A warm-up that packs every
+        layer")."""
         bound = piece.bind(module)
         if piece.jitted is not None or piece.checked:  # an earlier layer ran this program (traced, or checked)
             if self.outputs_used:
@@ -279,7 +269,8 @@ class LayeredProgram:
 
     def _checked_is_enough(self, kind: str, piece: TracedPiece) -> bool:
         """A warm-up need not run a head its check just ran: nothing reads its output, and it has no
-        compiled regions to load (at B = 64 a head's run is ~0.1 s: the logits, the sampler's sort)."""
+        compiled regions to load (at B = 64 a head's run, the logits and the sampler's sort, is a large part
+        of a warm-up: benchmarks/RESULTS.md, "A warm-up that checks a stored head without running it again")."""
         return not self.outputs_used and kind.startswith("head") and not has_regions(piece.computation)
 
     def _count(self, new: bool, kind: str, piece: TracedPiece, traced: bool) -> None:

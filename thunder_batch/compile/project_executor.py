@@ -3,22 +3,24 @@ Besides the linears below, a decode step's attention (`attention`) and the in-pl
 (`inplace`).
 
 It claims `linear` on CPU and runs it from a copy of the weight packed once, in the layout the kernel
-reads as one stream (benchmarks/linear_bandwidth.py, RESULTS.md "The decode step's linears"):
-- float32, at most `packed_rows(float32)` rows: the project's kernel (thunder_batch.native), 1.1-4x
-  torch's at decode rows; larger float32 linears stay with torch. On AVX-512F it is 1.08-1.7x torch's GEMM
-  at 16-64 rows (a 2-core Xeon); on an AVX2-only CPU the kernel is faster than torch's at any rows (1.3-3x
-  at decode rows, 1.15-1.3x at a prompt step's 136-520), so it takes them all.
+reads as one stream. The speeds below are measured with benchmarks/linear_bandwidth.py in
+benchmarks/RESULTS.md: "AVX2: the native kernels on every x86-64 CPU", "Prompt steps on the native
+kernel" (AVX2), "bf16 linears on AMX tiles" parts 1 and 3 (AMX, and float32 on AVX-512F):
+- float32, at most `packed_rows(float32)` rows: the project's kernel (thunder_batch.native), faster than
+  torch's at decode rows; larger float32 linears stay with torch. On AVX-512F it beats torch's GEMM up to
+  64 rows (a 2-core Xeon); on an AVX2-only CPU the kernel is faster than torch's at any rows (decode rows
+  and a prompt step's 136-520 alike), so it takes them all.
 - bfloat16 on a CPU with AMX-BF16 (`in` a multiple of 32), any rows: the project's AMX kernel on the
-  same packed weight: 2-3.3x the `vdpbf16ps` kernel at 8-16 rows (as fast at 1), 1.08-1.9x torch's GEMM
-  at 32-520 rows.
+  same packed weight: faster than the `vdpbf16ps` kernel from 8 rows (as fast at 1), and than torch's
+  GEMM at 32-520 rows.
 - bfloat16 on a CPU with AVX512-BF16 otherwise, at most PACKED_ROWS[bfloat16] rows: the project's `vdpbf16ps`
   kernel (float32 accumulation, one rounding: equal to torch's result but for the last bit of a few
   outputs); larger ones stay with torch.
 - bfloat16 where oneDNN runs bf16 (AVX512-BW/VL/DQ or AVX-NE-CONVERT) but the CPU lacks AVX512-BF16,
   any rows: oneDNN's linear on its own blocked layout (`_reorder_linear_weight`), the same result as
-  torch's bit for bit, 1.3-1.5x faster at the rows of a decode step.
+  torch's bit for bit, faster at the rows of a decode step (RESULTS.md "The fused step").
 - bfloat16 on an AVX2-only CPU, any rows: the project's kernel widening the weights to float32 (torch's
-  bf16 GEMM there is 1.3-7x slower; float32 accumulation, one rounding).
+  bf16 GEMM there is slower at every row count measured; float32 accumulation, one rounding).
 The packed copies live beside the weights (one more copy of each claimed weight) and are redone
 when a weight is changed in place. The eager engine never uses them: they are what compiling adds.
 """
@@ -93,7 +95,8 @@ class PackedWeights:
 
     def refresh(self, weights) -> None:
         """Packs again, now, each of `weights` that has a packed copy (new values, or new data under it): into
-        the copy's own memory where the kernel is the project's (no allocation: ~10x faster than a new copy)."""
+        the copy's own memory where the kernel is the project's (no allocation, much faster than a new copy:
+        benchmarks/RESULTS.md, "Numbers moved from the code's comments")."""
         for w in weights:
             entry = self._packed.get(id(w))
             if entry is None or entry[0]() is not w:
@@ -194,8 +197,8 @@ def claims_linear(device_type: str, dtypes: list, weight_shape, rows: int) -> bo
 
 def packed_rows(dtype: torch.dtype) -> float:
     """The most rows a linear runs on the native kernel, per path (benchmarks/RESULTS.md): on AVX-512
-    torch's GEMM is as fast above PACKED_ROWS[dtype]; on AVX2 torch's GEMM is slower at any rows (float32
-    1.15-3x, bfloat16 4-7x)."""
+    torch's GEMM is as fast above PACKED_ROWS[dtype]; on AVX2 torch's GEMM is slower at any rows, float32
+    and bfloat16 alike ("AVX2: the native kernels on every x86-64 CPU", "Prompt steps on the native kernel")."""
     from thunder_batch.native.build import cpu_flags
 
     return PACKED_ROWS[dtype] if "avx512f" in cpu_flags() else math.inf

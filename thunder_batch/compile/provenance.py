@@ -1,10 +1,10 @@
 """What made a stored program, beyond the model and the config: the code, the machine code generator.
 
-- `source_digest()`: the bytes of every package file a stored program can depend on, found by
-  construction: the modules the runner imports, directly or not (every `import` statement, those inside
-  functions included), every module of `compile/` (all that touches Thunder), and the non-Python files
-  beside them (the native kernels' C++). A comment-only edit counts; no git state is read, so a copied
-  package keys on its own files. The front ends (engine, serve, bench, cli) are not imported by the
+- `source_digest()`: the bytes of every package file a stored program can depend on, found by construction:
+  the modules the runner imports, directly or not (every `import` statement, those inside functions included,
+  but not those for type annotations only), every module of `compile/` (all that touches Thunder), and the
+  non-Python files beside them (the native kernels' C++). A comment-only edit counts; no git state is read, so
+  a copied package keys on its own files. The front ends (engine, serve, bench, cli) are not imported by the
   runner (tests/test_layering.py), so editing them keeps the cache.
 - `codegen(device)`: for CPU programs, what shapes generated machine code: the CPU's ISA flags, the
   C++ compiler Inductor calls and its version, Inductor's settings. A cache shared between machines
@@ -34,9 +34,15 @@ def module_files(package: Path = PACKAGE) -> dict[str, Path]:
 
 
 def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package modules `path` imports anywhere in it, with the packages above them (their __init__ runs)."""
+    """The package modules `path` imports anywhere in it, with the packages above them (their __init__ runs);
+    not those under `if TYPE_CHECKING:`, which never run."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_bytes())):
+    tree = ast.parse(path.read_bytes())
+    guarded = [n for n in ast.walk(tree) if isinstance(n, ast.If) and _is_type_checking(n.test)]
+    skipped = {id(node) for guard in guarded for statement in guard.body for node in ast.walk(statement)}
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -44,6 +50,12 @@ def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
     parents = {".".join(name.split(".")[: i + 1]) for name in found for i in range(name.count(".") + 1)}
     return {name for name in parents if name in modules}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def program_files(package: Path = PACKAGE) -> list[Path]:

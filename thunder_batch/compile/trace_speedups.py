@@ -1,19 +1,21 @@
-"""Cheaper Thunder tracing, same traces. Profiling the default model's cold trace showed ~93% of
-the time in Thunder's bytecode interpreter, and within it two avoidable costs:
+"""Cheaper Thunder tracing, same traces. Profiling the default model's cold trace showed most of the
+time in Thunder's bytecode interpreter, and within it these avoidable costs (the profile's shares:
+benchmarks/RESULTS.md, "Numbers moved from the code's comments"; what the speedups save: "Layered step
+program"):
 
 1. Every `module(x)` interprets `nn.Module._call_impl`, whose "any hooks?" test evaluates eight
-   hook dicts through Thunder's interpreted `bool`/`len` (~30% of interpreted work). A lookaside
+   hook dicts through Thunder's interpreted `bool`/`len` (a large share of interpreted work). A lookaside
    makes the same test natively and, when no hook is registered and TorchScript is not tracing,
    interprets `self.forward(...)` directly: exactly the path `_call_impl` takes in that case.
    With hooks, the original `_call_impl` is interpreted as before.
 2. Every `d[k]` on a plain dict, and every global or builtin name lookup (two of them), runs
    through an interpreted helper (`getitem_impl`, `lambda d, k: d[k]`) that ends in the dict's
-   provenance-tracking `__getitem__` (~40%). The fast path calls that `__getitem__` directly; any
+   provenance-tracking `__getitem__` (the largest share). The fast path calls that `__getitem__` directly; any
    other container, or a dict without item tracking, takes the original route.
-3. The interpreter disassembles a function's bytecode on every call (`dis.get_instructions`,
-   ~10%). Code objects are immutable, so the instruction tuple is memoized per code object.
+3. The interpreter disassembles a function's bytecode on every call (`dis.get_instructions`). Code
+   objects are immutable, so the instruction tuple is memoized per code object.
 4. Each exception leaving an interpreted frame builds a Python frame in a helper thread while the
-   caller spins holding the GIL (~5 ms per exception, 1776 of them per default-model trace). The
+   caller spins holding the GIL (milliseconds per exception, and a default-model trace raises many). The
    same frame is built the same way; the caller waits on a lock instead of spinning.
 
 Each shortcut reproduces what the code it skips does; they rely on Thunder/torch internals, so

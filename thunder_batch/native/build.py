@@ -1,5 +1,5 @@
-"""Build and load the native kernels (packed linears, decode attention) once per machine (torch's C++
-extension builder, g++ and ninja).
+"""Build and load the native kernels (packed linears, decode attention, a decode block and a step's layers
+of it as one loop) once per machine (torch's C++ extension builder, g++ and ninja).
 
 The build lands in torch's extension dir ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions),
 named by a hash of the source and flags, so a later process loads it in milliseconds. On a CPU

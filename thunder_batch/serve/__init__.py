@@ -1,8 +1,14 @@
 """`thunder-batch serve`: the OpenAI-compatible HTTP server.
 
-- `openai`: request parsing into (prompt, SamplingParams) and response shaping (pure Python)
-- `routes`: the HTTP side, in LitServe's API server processes (routes, errors, API keys, disconnects)
-- `worker`: the inference worker, one Engine per process (admission, steps, cancellation)
-- `server`: the main process (assemble the LitServer, run it, stop every child)
-- `cli`: the `serve` command
+- `openai`: a request parsed into a Job (prompts, SamplingParams); `responses`: response bodies, stream
+  chunks, logprobs, usage (both pure Python)
+- `routes`: the HTTP side, in LitServe's API server processes (routes, admission, errors); `calls`: one
+  request in flight (queued, read, cancelled on disconnect); `auth`: API keys and request ids
+- `worker`: the inference worker, one Engine per process; `loop`: its loop (intake, steps, cancellation);
+  `tokens`: token texts for logprobs and echoed prompts
+- `state`, `cancels`: what the processes share in shared memory (worker health, requests in flight, cancels)
+- `metrics`: Prometheus metrics over every process
+- `server`: the main process (assemble the LitServer, run it, drain, stop every child)
+
+The `serve` command itself is thunder_batch/cli/serve.py.
 """

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import litserve as ls
 
 from thunder_batch.config import ContextLengthError, ParamError, is_chat
-from thunder_batch.runner import time_steps
+from thunder_batch.observe import StepEvent
 from thunder_batch.serve.loop import EngineLoop
 from thunder_batch.serve.metrics import Metrics
 from thunder_batch.serve.openai import APIError
@@ -99,7 +99,7 @@ class EngineAPI(ls.LitAPI):
         self._finished: OrderedDict = OrderedDict()  # recently finished uids
         self._texts = TokenTexts(engine.tokenizer)
         self._compiles, self._published_at = (0, 0), 0.0
-        time_steps(engine.runner, self._time_step)
+        engine.observers.add(self._time_step)
         self._report()
         self.state.beat(self.index)
         self.state.set_worker(self.index, pid=os.getpid(), ready=1)
@@ -116,9 +116,8 @@ class EngineAPI(ls.LitAPI):
         """Choices this worker takes now: up to B waiting beside B slots; none while it is unhealthy."""
         if self.state.worker(self.index).failed_steps >= UNHEALTHY_AFTER_FAILED_STEPS:
             return 0
-        B = self.engine.config.batch_size
-        scheduler = self.engine.scheduler
-        return max(2 * B - scheduler.num_running() - len(scheduler.waiting), 0)
+        counters = self.engine.counters()
+        return max(2 * self.engine.config.batch_size - counters["running"] - counters["waiting"], 0)
 
     # -- intake: prepare (tokenize, outside the lock), then admit ---------------------------------
     def prepare(self, items: list[tuple[str, dict]]) -> list[tuple[str, dict, object]]:
@@ -258,10 +257,8 @@ class EngineAPI(ls.LitAPI):
 
     def probe(self) -> None:
         """A step with every slot empty (padding writes only scratch entries): raises if stepping fails."""
-        from thunder_batch.scheduler import StepPlan
-
         with self.lock:
-            self.engine.runner.run(StepPlan([]))
+            self.engine.probe_step()
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def step_failed(self, failed: bool) -> None:
@@ -271,9 +268,9 @@ class EngineAPI(ls.LitAPI):
             self.metrics.labels(self.metrics.failed_steps).inc()
 
     def _report(self) -> None:
-        scheduler = self.engine.scheduler
-        self.state.set_worker(self.index, running=scheduler.num_running(), waiting=len(scheduler.waiting))
-        self.metrics.count_prefix_cache(scheduler.prefix_queries, scheduler.prefix_hits)
+        counters = self.engine.counters()
+        self.state.set_worker(self.index, running=counters["running"], waiting=counters["waiting"])
+        self.metrics.count_prefix_cache(counters["prefix_cache_queries"], counters["prefix_cache_hits"])
         self._publish()
 
     def _time_token(self, job: _Job, choice: int, now: float) -> None:
@@ -284,8 +281,8 @@ class EngineAPI(ls.LitAPI):
             self.metrics.labels(self.metrics.itl).observe(now - last)
         job.last_token[choice] = now
 
-    def _time_step(self, shape: str, seconds: float) -> None:
-        self.metrics.labels(self.metrics.step, shape=shape).observe(seconds)
+    def _time_step(self, event: StepEvent) -> None:
+        self.metrics.labels(self.metrics.step, shape=event.shape_name).observe(event.seconds)
 
     def _record_compiles(self, stats: dict) -> None:
         """The pieces loaded and traced since the last publication, as metrics (from Engine.stats)."""
