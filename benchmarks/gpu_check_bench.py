@@ -78,7 +78,7 @@ def bench_engine(gpt_bf16, mode: str, batch: int, prompt_len: int, new: int) -> 
 def bench_transformers(gpt_bf16, system: str, batch: int, prompt_len: int, new: int) -> dict:
     """One static batch through transformers' generate (static cache): seconds per generated position."""
     from thunder_batch.bench.hf_transformers import run_transformers
-    from thunder_batch.bench.system import BenchContext
+    from thunder_batch.bench.system_run import BenchContext
     from thunder_batch.bench.workloads import BenchRequest
 
     prompts = prompts_of([prompt_len] * batch, gpt_bf16.config.vocab_size, seed=batch)

@@ -330,7 +330,7 @@ def test_a_run_that_traces_is_reported_as_recompiled(monkeypatch, tmp_path):
 
 
 def test_system_restrictions_pick_precisions_and_batch_sizes():
-    from thunder_batch.bench.plan import SystemSpec, parse_precisions, plan_runs
+    from thunder_batch.bench.run_plan import SystemSpec, parse_precisions, plan_runs
 
     specs = bench.parse_systems("litgpt-sequential, eager@bfloat16, thunder-torch@float32/bfloat16:32/8, eager:4")
     assert specs == [
@@ -369,7 +369,7 @@ def test_system_restrictions_pick_precisions_and_batch_sizes():
 def fake_run(system, precision, B, tokens, wall_s, decode_s=None):
     """A SystemRun whose requests (prompt 3) produced `tokens`; with decode_s, one full decode step per token."""
     from thunder_batch.bench.engine_runs import StepRecord
-    from thunder_batch.bench.system import SystemRun
+    from thunder_batch.bench.system_run import SystemRun
 
     traces = []
     for ids in tokens:

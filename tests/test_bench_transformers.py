@@ -14,7 +14,7 @@ from thunder_batch.bench import hf_transformers as hf
 from thunder_batch.bench import run as bench
 from thunder_batch.bench.engine_runs import run_engine
 from thunder_batch.bench.options import BenchOptions
-from thunder_batch.bench.system import BenchContext
+from thunder_batch.bench.system_run import BenchContext
 from thunder_batch.bench.workloads import build_workload
 
 from helpers import tiny_config, tiny_gpt

@@ -13,7 +13,7 @@ import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.compile import cache
-from thunder_batch.compile.cache import DEVICE_MARK, CacheKey, EntryStore
+from thunder_batch.compile.cache import DEVICE_MARK, CacheKey, CompileCacheFiles
 
 from helpers import mixed_prompts, tiny_gpt
 
@@ -29,7 +29,7 @@ def test_stored_source_names_no_device_index(tmp_path, monkeypatch):
     engine.warmup()
     entries = [e for e in stored_entries(tmp_path / "cpu") if "source" in e["record"]]
     assert any('torch.device("cpu")' in e["record"]["source"] for e in entries)  # what traces print
-    on = {i: EntryStore(tmp_path / "cuda", torch.device(f"cuda:{i}")) for i in (0, 1)}
+    on = {i: CompileCacheFiles(tmp_path / "cuda", torch.device(f"cuda:{i}")) for i in (0, 1)}
     for entry in entries:
         written_on_1 = entry["record"]["source"].replace('torch.device("cpu")', 'torch.device("cuda:1")')
         key = CacheKey(**{k: tuple(map(tuple, v)) if k == "versions" else v for k, v in entry["key"].items()})

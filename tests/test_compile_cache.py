@@ -28,17 +28,17 @@ from thunder_batch.compile import provenance
 from thunder_batch.compile.cache import (
     FORMAT_VERSION,
     CacheKey,
+    CompileCacheFiles,
     CompileCacheWarning,
-    EntryStore,
     canonical_json,
     read_entry,
     resolve_root,
     sha256,
 )
 from thunder_batch.compile.layered import LayeredProgram
-from thunder_batch.compile.pieces import piece_from_record
 from thunder_batch.compile.step import compile_options
 from thunder_batch.compile.trace_export import NotExportable, ctx_recipe
+from thunder_batch.compile.traced_piece import piece_from_record
 from thunder_batch.config import StepShape
 from thunder_batch.native import build as native_build
 from thunder_batch.step_plan import StepPlan
@@ -207,7 +207,7 @@ def test_every_key_field_changes_the_digest(traced):
 def test_key_follows_what_the_program_depends_on(traced, change, tmp_path, monkeypatch):
     def key_of(engine, shape=None):  # the prefix's key: every field but the piece's own
         idx, input_pos, _, key_pos, *_ = engine.runner.inputs_for(StepPlan([]), shape)
-        return engine.runner.step_fn.entries.key("prefix", "", (idx, input_pos, key_pos))
+        return engine.runner.step_fn.cache.key("prefix", "", (idx, input_pos, key_pos))
 
     base = key_of(make_engine(tmp_path))
     if change in ("batch_size", "max_seq_length"):
@@ -243,7 +243,7 @@ def test_cuda_graphs_load_the_pieces_a_plain_engine_stored(traced):
     engine = traced["engine"]
     config = dataclasses.replace(engine.config, cuda_graphs=True)
     program = copy.deepcopy(engine.runner.program)
-    layered = LayeredProgram(program, config, compile_options(config), EntryStore(traced["root"]))
+    layered = LayeredProgram(program, config, compile_options(config), CompileCacheFiles(traced["root"]))
     args = tuple(engine.runner.inputs_for(StepPlan([])))
     for head in ("filtered", "greedy"):
         layered(*args, head=head)
@@ -440,7 +440,7 @@ def test_paths_others_can_write_are_refused(traced, tmp_path, target):
     key, root = traced["key"], tmp_path / "cache"
     (root if target == "root" else root / traced["path"].name).chmod(0o777 if target == "root" else 0o666)
     with pytest.warns(CompileCacheWarning, match="writable by group or others") as caught:
-        assert EntryStore(root).load(key) is None
+        assert CompileCacheFiles(root).load(key) is None
     assert len(caught) == 1
 
 
@@ -448,7 +448,7 @@ def test_read_only_root_falls_back_to_memory(traced, tmp_path, monkeypatch):
     def read_only(*args, **kwargs):
         raise OSError(30, "Read-only file system")
 
-    store = EntryStore(tmp_path)
+    store = CompileCacheFiles(tmp_path)
     monkeypatch.setattr(cc.tempfile, "mkstemp", read_only)
     record, _ = read_entry(traced["path"], None)
     with pytest.warns(CompileCacheWarning, match="not writable") as caught:
@@ -460,7 +460,7 @@ def test_read_only_root_falls_back_to_memory(traced, tmp_path, monkeypatch):
 def test_uncreatable_root_falls_back_to_memory(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.warns(CompileCacheWarning, match="cannot create"):
-        store = EntryStore(tmp_path / "file" / "cache")
+        store = CompileCacheFiles(tmp_path / "file" / "cache")
     assert not store.readable and not store.writable
 
 
@@ -475,7 +475,7 @@ def test_concurrent_writers_leave_one_valid_entry(traced, tmp_path):
         body = json.load(open({str(traced["path"])!r}))
         key = cc.CacheKey(**{{k: tuple(tuple(x) if isinstance(x, list) else x for x in v)
                              if isinstance(v, list) else v for k, v in body["key"].items()}})
-        store = cc.EntryStore({str(tmp_path)!r})
+        store = cc.CompileCacheFiles({str(tmp_path)!r})
         assert store.path(key).name == {traced["path"].name!r}
         for _ in range(20):
             assert store.save(key, body["record"])

@@ -17,7 +17,7 @@ LAYERS = [
     (
         "pure Python",
         ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]
-        + ["fallbacks", "text_encoding", "drafts", "prefix_store", "step_plan", "observe"],
+        + ["fallbacks", "text_encoding", "drafts", "prefix_store", "step_plan", "observe", "intake"],
     ),
     (
         "torch",
@@ -42,6 +42,7 @@ PURE_NO_TORCH = [  # DESIGN: pure Python, no torch
     "text_encoding",
     "step_plan",
     "observe",
+    "intake",
 ]
 
 
@@ -240,3 +241,34 @@ def test_the_walker_counts_function_level_and_submodule_imports(tmp_path, source
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def code_lines(lines: list[str], first: int, last: int, skipped: set[int]) -> int:
+    """Lines `first`..`last` (1-based) that hold code: not blank, not a comment, not in `skipped` (docstrings)."""
+    return sum(1 for i in range(first, last + 1) if i not in skipped and lines[i - 1].strip()[:1] not in ("", "#"))
+
+
+def docstring_lines(tree: ast.AST) -> set[int]:
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    found = set()
+    for node in ast.walk(tree):
+        first = node.body[0] if isinstance(node, kinds) and node.body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            found |= set(range(first.lineno, first.end_lineno + 1))
+    return found
+
+
+def test_files_and_functions_keep_to_the_house_rule():
+    """DESIGN, Layout: files under ~300 lines of code, function bodies under ~40 (docstrings, comments and blank
+    lines not counted: they carry the why and the shapes; a signature listing a command's flags not counted)."""
+    too_long = []
+    for name, path in _modules().items():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        tree = ast.parse("\n".join(lines))
+        docs = docstring_lines(tree)
+        if (n := code_lines(lines, 1, len(lines), docs)) > 300:
+            too_long.append(f"{name}: {n} lines of code")
+        for f in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            if (n := code_lines(lines, f.body[0].lineno, f.end_lineno, docs)) > 40:
+                too_long.append(f"{name}.{f.name}: {n} lines of code")
+    assert not too_long, too_long

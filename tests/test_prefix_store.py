@@ -48,7 +48,7 @@ def test_a_conversation_gets_its_entries_back_after_another_took_its_slot(compil
     assert engine.stats()["prompt_tokens_reused"] == restored
     assert without.stats()["prompt_tokens_reused"] == 0
     assert engine.stats()["prefix_store_tokens"] > 0 and without.stats()["prefix_store_tokens"] == 0
-    assert set(engine.runner.stored) == set(engine.scheduler.store.entries)
+    assert set(engine.runner.saved_prefixes) == set(engine.scheduler.store.entries)
 
 
 def test_an_aborted_request_is_not_stored_and_reset_or_a_failed_step_empties_the_store():
@@ -71,7 +71,7 @@ def test_an_aborted_request_is_not_stored_and_reset_or_a_failed_step_empties_the
     assert engine.stats()["prefix_store_tokens"] == 0
     assert engine.step() == []  # an idle step plans nothing: the entries to free wait for the next plan
     engine.generate([first], SamplingParams(max_new_tokens=2))
-    assert engine.runner.stored == {}  # the cleared entries were freed with the next step
+    assert engine.runner.saved_prefixes == {}  # the cleared entries were freed with the next step
 
     run = engine.runner.step_fn
 

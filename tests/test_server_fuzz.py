@@ -1,5 +1,5 @@
 """No input that hurts the batch or the worker: generated JSON bodies (a valid request with some fields
-replaced by adversarial values, or anything at all) thrown at parsing (a Job or an APIError, nothing
+replaced by adversarial values, or anything at all) thrown at parsing (a ParsedRequest or an APIError, nothing
 else) and at a live tiny server (never a 5xx, and the server still answers a plain request the same
 way afterwards). Every sampling field is bounded at parse time; stops are bounded and stored in
 memory linear in their length."""

@@ -14,7 +14,7 @@ import pytest
 from thunder_batch.config import SamplingParams, choice_seed
 from thunder_batch.serve.cancels import CancelBoard
 from thunder_batch.serve.server import health_problems
-from thunder_batch.serve.state import MESSAGES_UID, SharedState, process_alive
+from thunder_batch.serve.shared_state import MESSAGES_UID, SharedState, process_alive
 
 from helpers import tiny_gpt
 
@@ -254,7 +254,7 @@ def test_engine_loop_idles_on_an_event_and_routes_events():
 
     from litserve.utils import ResponseBufferItem
 
-    from thunder_batch.serve.calls import Messages
+    from thunder_batch.serve.in_flight import Messages
 
     buffer = {"a": ResponseBufferItem(asyncio.Event(), deque())}
     Messages(buffer).append((a + [("gone", {}, LitAPIStatus.OK)], LitAPIStatus.OK))

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 import time
 from collections.abc import Iterator, Sequence
 
-from thunder_batch.chat import apply_chat, chat_stop_sequences, prompt_style_for
-from thunder_batch.config import ContextLengthError, EngineConfig, SamplingParams, choice_seed, is_chat, is_int
+from thunder_batch.chat import prompt_style_for
+from thunder_batch.config import EngineConfig, SamplingParams, choice_seed, is_chat
 from thunder_batch.drafts import Drafter, accepted_tokens
+from thunder_batch.intake import PromptIntake
 from thunder_batch.kv_cache import bytes_per_token
 from thunder_batch.observe import Observers, StepEvent
 from thunder_batch.request import GenerationResult, Request, StepOutput, joined_outputs
 from thunder_batch.runner import Runner, program_stats
 from thunder_batch.scheduler import Scheduler
 from thunder_batch.step_plan import StepPlan
-from thunder_batch.text_encoding import text_encoder
 
 
 class Engine:
@@ -39,11 +38,11 @@ class Engine:
         )
         self.drafter = Drafter(cfg) if cfg.speculative_tokens else None
         self.vocab_size = model.config.padded_vocab_size
+        self.intake = PromptIntake(self.config.max_seq_length, tokenizer, self.prompt_style, self.vocab_size)
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_ids = frozenset() if eos is None else frozenset({eos})
         self._next_id = itertools.count()
         self._seeds = random.Random()  # seeds for requests that bring none
-        self._longest_token: int | None = None  # characters in the longest vocabulary entry (0: unknown)
         self._counters = dict(steps=0, generated_tokens=0, prompt_tokens=0, finished_requests=0)
         self.observers = Observers()  # callables given each step's StepEvent (the server's metrics, the bench)
 
@@ -80,9 +79,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if is_chat(prompt):
-            params = self._with_chat_stops(params)
-        prompt_ids = self.encode(prompt)
-        params = self._fitted(len(prompt_ids), params)
+            params = self.intake.with_chat_stops(params)
+        prompt_ids = self.intake.encode(prompt)
+        params = self.intake.fitted(len(prompt_ids), params)
         seed = self._seeds.getrandbits(63) if params.seed is None else params.seed  # the full 63 bits
         requests = []
         for choice, request_id in enumerate(request_ids):
@@ -101,55 +100,9 @@ class Engine:
             self.scheduler.add(request)
 
     def encode(self, prompt) -> list[int]:
-        """Token ids of a prompt: a str or chat messages (both need a tokenizer), or a non-empty list
-        of ids in the vocabulary. Text is encoded as Hugging Face's tokenizer for the checkpoint does
-        (text_encoding); chat messages through litgpt's prompt style and tokenizer, as before."""
-        chat = is_chat(prompt)
-        if chat:
-            if self.tokenizer is None:
-                raise ValueError("chat messages need a tokenizer")
-            prompt = apply_chat(self.prompt_style, prompt)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the Engine a tokenizer")
-            if not prompt:
-                raise ValueError("prompt is empty")
-            self._check_text_length(prompt)
-            try:
-                ids = self.tokenizer.encode(prompt).tolist() if chat else text_encoder(self.tokenizer).encode(prompt)
-                return [int(t) for t in ids]
-            except Exception as e:  # e.g. lone surrogates the tokenizer cannot encode
-                raise ValueError(f"the tokenizer cannot encode this prompt: {e}") from e
-        if not isinstance(prompt, (list, tuple)) or not all(is_int(t) for t in prompt):
-            raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError("prompt is empty: at least one token is needed")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
-        return list(prompt)
-
-    def _check_text_length(self, text: str) -> None:
-        """Refuse, without tokenizing it, a text too long to fit: a token covers at most as many
-        characters as its longest vocabulary entry, so longer text has more tokens than a slot holds."""
-        if self._longest_token is None:
-            self._longest_token = longest_token_chars(self.tokenizer)
-        limit = self.config.max_seq_length
-        if self._longest_token and len(text) > limit * self._longest_token:
-            raise ContextLengthError(len(text) // self._longest_token, None, limit, at_least=True)
-
-    def _with_chat_stops(self, params: SamplingParams) -> SamplingParams:
-        """Chat replies end at the prompt style's stop tokens (e.g. <|im_end|>) as well."""
-        strings, sequences = params.stop_strings, params.stop_sequences
-        chat = tuple(s for s in chat_stop_sequences(self.prompt_style, self.tokenizer) if s not in sequences)
-        return dataclasses.replace(params, stop=[*strings, *(list(s) for s in sequences + chat)])
-
-    def _fitted(self, prompt_len: int, params: SamplingParams) -> SamplingParams:
-        """params with max_new_tokens None resolved to the rest of the cache; ContextLengthError if it cannot fit."""
-        limit, wanted = self.config.max_seq_length, params.max_new_tokens
-        if prompt_len + (wanted or 1) > limit:
-            raise ContextLengthError(prompt_len, wanted, limit)
-        return params if wanted is not None else dataclasses.replace(params, max_new_tokens=limit - prompt_len)
+        """Token ids of a prompt: a str or chat messages (both need a tokenizer), or a non-empty list of ids in
+        the vocabulary (intake.PromptIntake.encode)."""
+        return self.intake.encode(prompt)
 
     def _detokenizer(self, prompt_ids: list[int]):
         from thunder_batch.detokenize import IncrementalDetokenizer
@@ -316,16 +269,16 @@ class Engine:
         """What the engine has done and holds, cheap enough for every step: steps, generated_tokens,
         finished_requests, `prompt_tokens` (every prompt token of the requests admitted:
         `prompt_tokens_computed` fed to the model, `prompt_tokens_reused` taken from a slot's cache),
-        `prefix_cache_queries` / `prefix_cache_hits` (prompt tokens looked up / found, as vLLM counts),
+        `prompt_tokens_looked_up` (those of the requests admitted with a prefix lookup: /metrics exports it and
+        `prompt_tokens_reused` as vLLM's `prefix_cache_queries` / `prefix_cache_hits`),
         `prefix_store_tokens` (tokens of the prefixes kept in host memory), `running` and `waiting` requests."""
         computed, scheduler = self._counters["prompt_tokens"], self.scheduler
         return dict(
             self._counters,
-            prompt_tokens=computed + scheduler.prefix_hits,
+            prompt_tokens=computed + scheduler.prompt_tokens_reused,
             prompt_tokens_computed=computed,
-            prompt_tokens_reused=scheduler.prefix_hits,
-            prefix_cache_queries=scheduler.prefix_queries,
-            prefix_cache_hits=scheduler.prefix_hits,
+            prompt_tokens_reused=scheduler.prompt_tokens_reused,
+            prompt_tokens_looked_up=scheduler.prompt_tokens_looked_up,
             prefix_store_tokens=scheduler.store.tokens if scheduler.store is not None else 0,
             running=scheduler.num_running(),
             waiting=len(scheduler.waiting),
@@ -345,13 +298,3 @@ class Engine:
             **({} if self.drafter is None else dict(speculative=self.drafter.stats())),
             step_shapes=[shape.describe(self.config) for shape in self.config.step_shapes],
         )
-
-
-def longest_token_chars(tokenizer) -> int:
-    """Characters of the longest vocabulary entry of a litgpt (or `tokenizers`) tokenizer; 0 if unknown."""
-    processor = getattr(tokenizer, "processor", tokenizer)
-    if hasattr(processor, "get_vocab"):  # tokenizers.Tokenizer
-        return max((len(t) for t in processor.get_vocab(with_added_tokens=True)), default=0)
-    if hasattr(processor, "id_to_piece"):  # sentencepiece
-        return max((len(processor.id_to_piece(i)) for i in range(processor.get_piece_size())), default=0)
-    return 0

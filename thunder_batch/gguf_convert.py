@@ -100,51 +100,37 @@ def check_architecture(reader: gguf.GGUFReader, path: Path | str = "") -> None:
 
 def check_config_matches(reader: gguf.GGUFReader, config: litgpt.Config) -> None:
     """Raise ValueError listing every hyperparameter where the litgpt config and the GGUF disagree."""
-    a = SUPPORTED_ARCH
-    n_head = read_field(reader, f"{a}.attention.head_count")
-    n_vocab = read_field(reader, f"{a}.vocab_size") or len(read_field(reader, "tokenizer.ggml.tokens", []))
-    pairs = [  # (GGUF key, GGUF value, config field, config value)
-        ("block_count", read_field(reader, f"{a}.block_count"), "n_layer", config.n_layer),
-        ("embedding_length", read_field(reader, f"{a}.embedding_length"), "n_embd", config.n_embd),
-        (
-            "feed_forward_length",
-            read_field(reader, f"{a}.feed_forward_length"),
-            "intermediate_size",
-            config.intermediate_size,
-        ),
-        ("attention.head_count", n_head, "n_head", config.n_head),
-        # llama.cpp defaults the KV head count to the head count when the key is absent.
-        (
-            "attention.head_count_kv",
-            read_field(reader, f"{a}.attention.head_count_kv", n_head),
-            "n_query_groups",
-            config.n_query_groups,
-        ),
-        ("rope.freq_base", read_field(reader, f"{a}.rope.freq_base", 10000.0), "rope_base", config.rope_base),
-        (
-            "attention.layer_norm_rms_epsilon",
-            read_field(reader, f"{a}.attention.layer_norm_rms_epsilon"),
-            "norm_eps",
-            config.norm_eps,
-        ),
-        (
-            "rope.dimension_count",
-            read_field(reader, f"{a}.rope.dimension_count", config.head_size),
-            "rope_n_elem",
-            config.rope_n_elem,
-        ),
-        ("context_length", read_field(reader, f"{a}.context_length"), "block_size", config.block_size),
-        ("vocab_size", n_vocab, "vocab_size", config.vocab_size),
-        (
-            "rope.scaling.type",
-            read_field(reader, f"{a}.rope.scaling.type", "none"),
-            "rope_adjustments",
-            "none" if config.rope_adjustments is None else config.rope_adjustments,
-        ),
+    pairs = _hyperparameters(reader, config)
+    bad = [
+        f"{field}={cv!r} but GGUF {SUPPORTED_ARCH}.{key}={gv!r}" for key, gv, field, cv in pairs if not _same(gv, cv)
     ]
-    bad = [f"{field}={cv!r} but GGUF {a}.{key}={gv!r}" for key, gv, field, cv in pairs if not _same(gv, cv)]
     if bad:
         raise ValueError(f"litgpt config {config.name!r} does not match the GGUF: " + "; ".join(bad))
+
+
+def _hyperparameters(reader: gguf.GGUFReader, config: litgpt.Config) -> list[tuple]:
+    """(GGUF key, GGUF value, config field, config value) for every hyperparameter both carry."""
+
+    def stored(key: str, default=None):
+        return read_field(reader, f"{SUPPORTED_ARCH}.{key}", default)
+
+    n_head = stored("attention.head_count")
+    n_vocab = stored("vocab_size") or len(read_field(reader, "tokenizer.ggml.tokens", []))
+    rope_adjustments = "none" if config.rope_adjustments is None else config.rope_adjustments
+    return [
+        ("block_count", stored("block_count"), "n_layer", config.n_layer),
+        ("embedding_length", stored("embedding_length"), "n_embd", config.n_embd),
+        ("feed_forward_length", stored("feed_forward_length"), "intermediate_size", config.intermediate_size),
+        ("attention.head_count", n_head, "n_head", config.n_head),
+        # llama.cpp defaults the KV head count to the head count when the key is absent.
+        ("attention.head_count_kv", stored("attention.head_count_kv", n_head), "n_query_groups", config.n_query_groups),
+        ("rope.freq_base", stored("rope.freq_base", 10000.0), "rope_base", config.rope_base),
+        ("attention.layer_norm_rms_epsilon", stored("attention.layer_norm_rms_epsilon"), "norm_eps", config.norm_eps),
+        ("rope.dimension_count", stored("rope.dimension_count", config.head_size), "rope_n_elem", config.rope_n_elem),
+        ("context_length", stored("context_length"), "block_size", config.block_size),
+        ("vocab_size", n_vocab, "vocab_size", config.vocab_size),
+        ("rope.scaling.type", stored("rope.scaling.type", "none"), "rope_adjustments", rope_adjustments),
+    ]
 
 
 def _same(a, b) -> bool:

@@ -98,7 +98,17 @@ class StepInputs(NamedTuple):
 
 HEADS = ("filtered", "unsorted", "greedy")  # the samplers; each head variant is one of them
 EXTRAS = ("top", "prompt")  # what a variant adds: "greedy_top", "filtered_prompt", ...
-VARIANTS = HEADS + tuple(f"{head}_{extra}" for head in HEADS for extra in EXTRAS)
+
+
+def variant_name(sampler: str, extra: str = "", verify: bool = False) -> str:
+    """A head variant's name (a compiled program's key): "greedy", "filtered_top", "verify_unsorted_top", ..."""
+    name = f"{sampler}_{extra}" if extra else sampler
+    return f"verify_{name}" if verify else name
+
+
+# name -> (sampler, extra): the one place a variant's name is taken apart
+VARIANT_PARTS = {h: (h, "") for h in HEADS} | {variant_name(h, e): (h, e) for h in HEADS for e in EXTRAS}
+VARIANTS = tuple(VARIANT_PARTS)
 
 
 class StepHead(nn.Module):
@@ -118,7 +128,7 @@ class StepHead(nn.Module):
         if variant not in VARIANTS:
             raise ValueError(f"head variant must be one of {VARIANTS}, got {variant!r}")
         self.gpt = gpt
-        self.variant, _, self.extra = variant.partition("_")
+        self.variant, self.extra = VARIANT_PARTS[variant]
 
     def logits(self, hidden):
         # hidden: [R, C] -> [R, V]
@@ -175,7 +185,7 @@ class VerifyHead(StepHead):
         return (*out, *rows)
 
 
-VERIFY_VARIANTS = tuple(f"verify_{v}" for v in HEADS + tuple(f"{h}_top" for h in HEADS))
+VERIFY_VARIANTS = {variant_name(h, e, verify=True): variant_name(h, e) for e in ("", "top") for h in HEADS}
 
 
 class StepProgram(nn.Module):
@@ -196,7 +206,7 @@ class StepProgram(nn.Module):
             self.heads = nn.ModuleDict({variant: StepHead(gpt, variant) for variant in VARIANTS})
         else:
             self.caches = verify_of.caches
-            self.heads = nn.ModuleDict({v: VerifyHead(gpt, v.removeprefix("verify_")) for v in VERIFY_VARIANTS})
+            self.heads = nn.ModuleDict({v: VerifyHead(gpt, plain) for v, plain in VERIFY_VARIANTS.items()})
             # Its shape puts the verify lane's length in the compile cache key (module_signature).
             self.register_buffer(
                 "verify_rows", torch.zeros(lane_len, device=gpt.lm_head.weight.device), persistent=False

@@ -15,7 +15,7 @@ from thunder_batch.config import EngineConfig, StepShape
 from thunder_batch.kv_cache import copy_entries
 from thunder_batch.model import check_supported
 from thunder_batch.moe import restack
-from thunder_batch.program import HEADS, StepInputs, StepProgram
+from thunder_batch.program import HEADS, StepInputs, StepProgram, variant_name
 from thunder_batch.sampler import needs_sort
 from thunder_batch.step_plan import SlotWork, StepPlan
 from thunder_batch.weights import WeightWatch, copy_weights
@@ -56,7 +56,7 @@ class Runner:
         self.gpt = gpt
         self.program = StepProgram(gpt, config.batch_size, config.max_seq_length, config.prefill_chunk)
         self.caches = list(self.program.caches)  # one SlotKVCache per layer
-        self.stored: dict[int, list] = {}  # stored prefix -> its entries per layer (prefix_store)
+        self.saved_prefixes: dict[int, list] = {}  # stored prefix -> its entries per layer (prefix_store)
         self.step_fn = load_or_compile_program(self.program, config, self.probe_inputs)
         self.verify_fn = None  # speculative decoding: the verify program, over the same caches
         if config.speculative_tokens:
@@ -184,9 +184,9 @@ class Runner:
         """Copy cache entries between slots, to host memory and back (kv_cache.copy_entries), then free
         the `dropped` stored prefixes. In place: the step program (traced, loaded, or a CUDA graph)
         reads and writes these same buffers."""
-        copy_entries(self.caches, copies, self.stored)
+        copy_entries(self.caches, copies, self.saved_prefixes)
         for entry in dropped:  # a save that a failed step never reached left nothing to free
-            self.stored.pop(entry, None)
+            self.saved_prefixes.pop(entry, None)
 
     def warmup(self, progress: bool = False) -> dict[str, float]:
         """Run every step shape once with all slots empty (padding writes only scratch entries), so
@@ -207,7 +207,7 @@ class Runner:
             start = time.perf_counter()
             # Heads see N rows, not L: every variant once per row count (the ladder's first rung).
             first_rung = shape.length == self.config.ladder[0]
-            heads = tuple(f"verify_{h}" for h in self.head_variants) if shape.verify else self.head_variants
+            heads = tuple(variant_name(h, verify=shape.verify) for h in self.head_variants)
             self.warm(shape, heads if first_rung else heads[:1])
             seconds[shape.describe(self.config)] = time.perf_counter() - start
         return seconds
@@ -234,7 +234,7 @@ class Runner:
             start = time.perf_counter()
             inputs = self.inputs_for(plan, shape)
             inputs_seconds = time.perf_counter() - start
-            out = fn(*inputs, head=f"verify_{head}" if plan.verify else head)
+            out = fn(*inputs, head=variant_name(head, verify=plan.verify))
         result = _verify_result(out) if plan.verify else _step_result(out)
         result.inputs_seconds = inputs_seconds
         return result
@@ -299,9 +299,9 @@ def head_for(plan: StepPlan, sampler: str | None = None) -> str:
     token (prompt logprobs), else "_top" when a sampling slot wants logprob alternatives."""
     sampler = sampler or _sampler_for(plan)
     if any(scores_prompt(w) for w in plan.work):
-        return f"{sampler}_prompt"
+        return variant_name(sampler, "prompt")
     if any(w.samples and w.request.params.logprobs for w in plan.work):
-        return f"{sampler}_top"
+        return variant_name(sampler, "top")
     return sampler
 
 

@@ -52,8 +52,8 @@ class Scheduler:
         self._released = [0] * num_slots  # when each slot was last freed (0: never): least recently used first
         self._clock = itertools.count(1)
         self._untrusted: set[int] = set()  # busy slots whose entries no other request may take
-        self.prefix_queries = 0  # prompt tokens of the requests admitted with a prefix lookup
-        self.prefix_hits = 0  # of those, tokens taken from a slot's cache instead of computed
+        self.prompt_tokens_looked_up = 0  # prompt tokens of the requests admitted with a prefix lookup
+        self.prompt_tokens_reused = 0  # of those, tokens taken from a slot's cache instead of computed
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -119,7 +119,7 @@ class Scheduler:
             request = self.slots[copy.dst]
             if request is not None and request.num_cached == copy.end:
                 request.num_cached = copy.start
-                self.prefix_hits -= copy.end - copy.start
+                self.prompt_tokens_reused -= copy.end - copy.start
         self.drop_kept()
 
     def schedule(self) -> StepPlan | None:
@@ -192,8 +192,8 @@ class Scheduler:
             start = end
         self._place(request, slot)
         request.num_cached = start
-        self.prefix_queries += len(request.prompt_ids)
-        self.prefix_hits += start
+        self.prompt_tokens_looked_up += len(request.prompt_ids)
+        self.prompt_tokens_reused += start
         return copies
 
     def _save_kept(self, slot: int, shared: int) -> list[PrefixSave]:

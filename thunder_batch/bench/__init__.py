@@ -2,9 +2,9 @@
 prompts, same weights, one run. The command itself is thunder_batch/cli/bench.py.
 
 - `options`: the benchmark's options, declared once (BenchOptions)
-- `run`: the run (which systems, the workload, assembly of the result); `plan`: which (system, precision, B) runs
+- `run`: the run (which systems, the workload, assembly of the result); `run_plan`: which (system, precision, B) runs
 - `workloads`: requests (real or random prompts, output lengths, arrival times)
-- `system`: what every system gets (BenchContext) and returns (SystemRun)
+- `system_run`: what every system gets (BenchContext) and returns (SystemRun)
 - `baselines`: litgpt's generate_fn and batched_generate_fn; `engine_runs`: the engine per compile mode;
   `hf_transformers`: transformers' `generate` on static batches (an optional extra); `llama_cpp`: the user's
   llama-server build

@@ -13,7 +13,7 @@ import time
 import torch
 
 from thunder_batch.bench.metrics import PeakMemory, RequestTrace
-from thunder_batch.bench.system import BenchContext, SystemRun, fresh_model, progress_bar, wait_until
+from thunder_batch.bench.system_run import BenchContext, SystemRun, fresh_model, progress_bar, wait_until
 from thunder_batch.bench.workloads import BenchRequest, same_length_groups
 
 
@@ -47,6 +47,28 @@ def run_litgpt_sequential(gpt, workload: list[BenchRequest], ctx: BenchContext) 
 
 
 @torch.inference_mode()
+def _generate_group(batched_generate_fn, model, group: list[BenchRequest], traces: dict, ctx: BenchContext) -> None:
+    """One same-length group through litgpt's batched_generate_fn, greedy; each token recorded as it comes."""
+    model.set_kv_cache(batch_size=len(group), device=ctx.device)
+    prompts = torch.tensor([r.prompt_ids for r in group], device=ctx.device)
+    longest = len(group[0].prompt_ids) + max(r.max_new_tokens for r in group)
+    stream = batched_generate_fn(
+        model,
+        prompts,
+        longest,
+        sample_args=dict(temperature=0.0),
+        stop_tokens=ctx.stop_tokens,
+        include_prompt=False,
+        include_eos=False,
+    )
+    for row_tokens in stream:
+        now = time.perf_counter()
+        for r, token in zip(group, row_tokens):
+            trace = traces[r.index]
+            if token is not None and len(trace.token_ids) < r.max_new_tokens:
+                trace.record(token.view(-1).tolist(), now)
+
+
 def run_litgpt_batched(gpt, workload: list[BenchRequest], batch_size: int, ctx: BenchContext) -> SystemRun:
     """litgpt `batched_generate_fn` over same-length groups of at most `batch_size` (offline only)."""
     from litgpt.generate.base import batched_generate_fn
@@ -60,23 +82,7 @@ def run_litgpt_batched(gpt, workload: list[BenchRequest], batch_size: int, ctx: 
         for group in groups:
             for r in group:
                 traces[r.index] = RequestTrace(len(r.prompt_ids), t0)
-            model.set_kv_cache(batch_size=len(group), device=ctx.device)
-            prompts = torch.tensor([r.prompt_ids for r in group], device=ctx.device)
-            longest = len(group[0].prompt_ids) + max(r.max_new_tokens for r in group)
-            for row_tokens in batched_generate_fn(
-                model,
-                prompts,
-                longest,
-                sample_args=dict(temperature=0.0),
-                stop_tokens=ctx.stop_tokens,
-                include_prompt=False,
-                include_eos=False,
-            ):
-                now = time.perf_counter()
-                for r, token in zip(group, row_tokens):
-                    trace = traces[r.index]
-                    if token is not None and len(trace.token_ids) < r.max_new_tokens:
-                        trace.record(token.view(-1).tolist(), now)
+            _generate_group(batched_generate_fn, model, group, traces, ctx)
             bar.update(len(group))
         wall = time.perf_counter() - t0
     sizes = [len(g) for g in groups]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from thunder_batch.bench.metrics import PeakMemory, RequestTrace
-from thunder_batch.bench.system import BenchContext, SystemRun, fresh_model, progress_bar
+from thunder_batch.bench.system_run import BenchContext, SystemRun, fresh_model, progress_bar
 from thunder_batch.bench.workloads import BenchRequest
 from thunder_batch.config import EngineConfig, SamplingParams
 from thunder_batch.observe import StepEvent

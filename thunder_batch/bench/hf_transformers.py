@@ -23,7 +23,7 @@ import time
 import torch
 
 from thunder_batch.bench.metrics import PeakMemory, RequestTrace
-from thunder_batch.bench.system import BenchContext, SystemRun, progress_bar
+from thunder_batch.bench.system_run import BenchContext, SystemRun, progress_bar
 from thunder_batch.bench.workloads import BenchRequest
 
 HF_SYSTEMS = ("hf-transformers", "hf-transformers-compile")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from thunder_batch.bench.metrics import PeakMemory, RequestTrace
-from thunder_batch.bench.system import BenchContext, SystemRun, wait_until
+from thunder_batch.bench.system_run import BenchContext, SystemRun, wait_until
 from thunder_batch.bench.workloads import BenchRequest
 
 SYSTEM = "llama.cpp"

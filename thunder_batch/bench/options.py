@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from thunder_batch.bench.plan import ALL_SYSTEMS
+from thunder_batch.bench.run_plan import ALL_SYSTEMS
 
 
 @dataclass(frozen=True)

@@ -26,54 +26,61 @@ def _check(m: dict) -> str:
     return "ok" if bad == 0 else f"{bad}/{check['checked_requests']} differ"
 
 
+RESULT_COLUMNS = (
+    "system",
+    "prec",
+    "B",
+    "out tok/s",
+    "total tok/s",
+    "req/s",
+    "TTFT ms mean/p50/p99",
+    "TPOT ms",
+    "ITL ms p50/p99",
+    "compile s cold/warm",
+    "peak RSS MB",
+    "occup.",
+    "host %",
+    "FLOP/s % peak",
+    "x seq",
+    "x hf",
+    "greedy tokens",
+)
+
+
 def results_table(result: dict):
     from rich.table import Table
 
     table = Table(title=f"thunder-batch bench: {result['workload']['label']}", show_lines=False)
-    columns = [
-        "system",
-        "prec",
-        "B",
-        "out tok/s",
-        "total tok/s",
-        "req/s",
-        "TTFT ms mean/p50/p99",
-        "TPOT ms",
-        "ITL ms p50/p99",
-        "compile s cold/warm",
-        "peak RSS MB",
-        "occup.",
-        "host %",
-        "FLOP/s % peak",
-        "x seq",
-        "x hf",
-        "greedy tokens",
-    ]
-    for col in columns:
+    for col in RESULT_COLUMNS:
         table.add_column(col, justify="left" if col in ("system", "greedy tokens") else "right")
     for m in result["runs"]:
-        ttft, itl = m["ttft_ms"], m["itl_ms"]
-        occ = m.get("slot_occupancy")
-        table.add_row(
-            m["system"],
-            m["precision"],
-            str(m["batch_size"] or 1),
-            _f(m["output_tokens_per_s"]),
-            _f(m["total_tokens_per_s"]),
-            _f(m["requests_per_s"], 2),
-            f"{_f(ttft['mean'], 0)}/{_f(ttft['p50'], 0)}/{_f(ttft['p99'], 0)}",
-            _f(m["tpot_ms"]["mean"]),
-            f"{_f(itl['p50'])}/{_f(itl['p99'])}",
-            _compile(m),
-            _f(m["memory"]["peak_rss_mb"], 0),
-            "-" if occ is None else f"{100 * occ:.0f}%",
-            "-" if "host" not in m else f"{100 * m['host']['share']:.1f}",
-            _f(100 * m["peak_matmul_fraction"]),
-            _f(m.get("speedup", {}).get("vs_litgpt_sequential"), 2),
-            _f(m.get("speedup", {}).get("vs_hf"), 2),
-            _check(m),
-        )
+        table.add_row(*_result_row(m))
     return table
+
+
+def _result_row(m: dict) -> list[str]:
+    """One run's cells, in RESULT_COLUMNS' order."""
+    ttft, itl = m["ttft_ms"], m["itl_ms"]
+    occ = m.get("slot_occupancy")
+    return [
+        m["system"],
+        m["precision"],
+        str(m["batch_size"] or 1),
+        _f(m["output_tokens_per_s"]),
+        _f(m["total_tokens_per_s"]),
+        _f(m["requests_per_s"], 2),
+        f"{_f(ttft['mean'], 0)}/{_f(ttft['p50'], 0)}/{_f(ttft['p99'], 0)}",
+        _f(m["tpot_ms"]["mean"]),
+        f"{_f(itl['p50'])}/{_f(itl['p99'])}",
+        _compile(m),
+        _f(m["memory"]["peak_rss_mb"], 0),
+        "-" if occ is None else f"{100 * occ:.0f}%",
+        "-" if "host" not in m else f"{100 * m['host']['share']:.1f}",
+        _f(100 * m["peak_matmul_fraction"]),
+        _f(m.get("speedup", {}).get("vs_litgpt_sequential"), 2),
+        _f(m.get("speedup", {}).get("vs_hf"), 2),
+        _check(m),
+    ]
 
 
 def targets_table(result: dict):

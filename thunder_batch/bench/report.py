@@ -10,7 +10,7 @@ import sys
 
 from thunder_batch.bench.metrics import ModelCost, latency_metrics, percentile, throughput_metrics, useful_flops
 from thunder_batch.bench.parity import compare_tokens
-from thunder_batch.bench.system import SystemRun
+from thunder_batch.bench.system_run import SystemRun
 from thunder_batch.versions import package_versions
 
 SEQUENTIAL, BATCHED, EAGER = "litgpt-sequential", "litgpt-batched", "eager"

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from thunder_batch.bench.options import BenchOptions
-from thunder_batch.bench.plan import (
+from thunder_batch.bench.run_plan import (
     ALL_SYSTEMS,
     parse_batch_sizes,
     parse_precisions,
@@ -100,7 +100,7 @@ def run_benchmark(gpt, tokenizer=None, prompt_style=None, *, options: BenchOptio
     model's device; returns the result dict that --output-json writes. The model's label gets the run's
     precisions appended."""
     from thunder_batch.bench.metrics import measure_peaks
-    from thunder_batch.bench.system import BenchContext
+    from thunder_batch.bench.system_run import BenchContext
 
     precisions = parse_precisions(options.precisions, precision_of(gpt))
     specs = parse_systems(options.systems)
@@ -163,7 +163,6 @@ def write_result(runs, models, workload, ctx, options: BenchOptions, peaks, skip
 def assemble(runs, models: dict, workload, ctx, options: BenchOptions, peaks, skipped, model_label) -> dict:
     from thunder_batch.bench import report
     from thunder_batch.bench.metrics import ModelCost
-    from thunder_batch.bench.workloads import describe
 
     costs = {p: ModelCost.of(gpt) for p, gpt in models.items()}
     # K and V of one cache entry in every layer: a step reads L of them per slot (L its ladder rung).
@@ -172,22 +171,8 @@ def assemble(runs, models: dict, workload, ctx, options: BenchOptions, peaks, sk
     reference = report.check_all(runs, metrics)
     table, baseline = report.speedups(metrics)
     cost = next(iter(costs.values()))  # parameter counts do not depend on the precision
-    mode = f"online {options.request_rate} req/s" if options.online else "offline"
-    label = f"{model_label}, {options.dataset}, {len(workload)} requests, {mode}"
     return dict(
-        workload=dict(
-            describe(workload),
-            label=label,
-            dataset=options.dataset,
-            mode=mode,
-            max_seq_length=ctx.max_seq_length,
-            prefill_chunk=ctx.prefill_chunk,
-            prefill_lanes=ctx.prefill_lanes,
-            max_prefill_lanes=ctx.max_prefill_lanes,
-            attention_lengths=ctx.attention_lengths,
-            ignore_eos=ctx.ignore_eos,
-            seed=options.seed,
-        ),
+        workload=workload_info(workload, ctx, options, model_label),
         options={k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(options).items()},
         peaks=peaks,
         model=dict(
@@ -203,6 +188,26 @@ def assemble(runs, models: dict, workload, ctx, options: BenchOptions, peaks, sk
         litgpt_sequential_baseline=baseline,
         targets=report.targets(metrics, equal_outputs=equal_outputs(workload, ctx)),
         skipped=skipped,
+    )
+
+
+def workload_info(workload, ctx, options: BenchOptions, model_label: str) -> dict:
+    """The result's description of the workload and the engine shape it ran with."""
+    from thunder_batch.bench.workloads import describe
+
+    mode = f"online {options.request_rate} req/s" if options.online else "offline"
+    return dict(
+        describe(workload),
+        label=f"{model_label}, {options.dataset}, {len(workload)} requests, {mode}",
+        dataset=options.dataset,
+        mode=mode,
+        max_seq_length=ctx.max_seq_length,
+        prefill_chunk=ctx.prefill_chunk,
+        prefill_lanes=ctx.prefill_lanes,
+        max_prefill_lanes=ctx.max_prefill_lanes,
+        attention_lengths=ctx.attention_lengths,
+        ignore_eos=ctx.ignore_eos,
+        seed=options.seed,
     )
 
 

@@ -1,5 +1,5 @@
 """`thunder-batch compile`: fill, list and clear the persistent compile cache.
-Tables go to stdout; progress and timings to stderr. Listing and clearing are `compile.entries`."""
+Tables go to stdout; progress and timings to stderr. Listing and clearing are `compile.cache_listing`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from thunder_batch.cli.options import EngineOptions
 from thunder_batch.compile.cache import resolve_root
-from thunder_batch.compile.entries import clear_entries, list_entries
+from thunder_batch.compile.cache_listing import clear_compile_cache, list_compile_cache
 
 
 def fill(options, root: Path) -> None:
@@ -59,6 +59,6 @@ def compile_command(list: bool = False, clear: bool = False, **options) -> None:
     engine_options = EngineOptions(compile="thunder", **options)
     root = resolve_root(engine_options.cache_dir)
     if list or clear:
-        list_entries(root) if list else clear_entries(root)
+        list_compile_cache(root) if list else clear_compile_cache(root)
         return
     fill(replace(engine_options, cache_dir=str(root)), root)

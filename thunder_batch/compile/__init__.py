@@ -3,9 +3,9 @@
 - `step`: the step program to call (eager, the layered program, or the whole step as one trace), with
   the jit options the config implies, and its counters and traces.
 - `executors`: Thunder's executors by name, which are usable here, and what a trace shows of them.
-- `layered`, `pieces`, `signature`: the step traced piece by piece (prefix, blocks, heads), layers sharing
+- `layered`, `traced_piece`, `trace_checks`: the step traced piece by piece (prefix, blocks, heads), layers sharing
   a block trace exactly when Thunder's prologue checks would accept them.
-- `cache`, `trace_export`, `entries`, `piece_store`: the persistent compile cache (keys and entry files;
+- `cache`, `trace_export`, `cache_listing`, `piece_store`: the persistent compile cache (keys and entry files;
   a trace as Python source and back; listing and clearing a root; the layered program's keys and block
   layouts).
 - `provenance`: what made a stored program (the code's bytes, the CPU's machine code generation).

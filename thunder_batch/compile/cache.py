@@ -1,4 +1,4 @@
-"""Persistent compile cache: keys and the on-disk entry store (`compile.entries` lists and clears them).
+"""Persistent compile cache: keys and the on-disk entry store (`compile.cache_listing` lists and clears them).
 
 An entry is one JSON file `<root>/<key digest>.json` holding a traced step program as Python
 source (see `trace_export`), its full key, a format version and a SHA-256 of its content. Entries
@@ -168,7 +168,7 @@ def piece_key(base: CacheKey, piece: str, signature: str, args) -> CacheKey:
 
 
 # -- the store ----------------------------------------------------------------------------------
-class EntryStore:
+class CompileCacheFiles:
     """Entries under one root. Refuses unsafe roots; falls back to memory only when it cannot write.
     `device`: where loaded programs run (the CUDA index of their sources); None leaves DEVICE_MARK."""
 

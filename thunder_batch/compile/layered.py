@@ -22,13 +22,13 @@ import torch
 from thunder_batch import fallbacks
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile.block_op import BlockStack, OpCalls
-from thunder_batch.compile.cache import EntryStore, warn
+from thunder_batch.compile.cache import CompileCacheFiles, warn
 from thunder_batch.compile.fused_region import artifacts_in, has_regions
 from thunder_batch.compile.fusion import EXECUTOR as FUSION
 from thunder_batch.compile.load_check import checked_call
-from thunder_batch.compile.piece_store import PieceStore
-from thunder_batch.compile.pieces import SharedTraces, TracedPiece, trace_piece
+from thunder_batch.compile.piece_store import PieceKeys
 from thunder_batch.compile.project_executor import EXECUTOR, PACKED, ProjectKernelsMode
+from thunder_batch.compile.traced_piece import SharedTraces, TracedPiece, trace_piece
 from thunder_batch.program import StepInputs, StepProgram
 
 
@@ -69,7 +69,7 @@ class LayeredProgram:
         program: StepProgram,
         config,
         options: dict,
-        store: EntryStore | None,
+        store: CompileCacheFiles | None,
         probe_inputs: Callable[[int, int], StepInputs] | None = None,
     ) -> None:
         self.program, self.config, self.options, self.store = program, config, options, store
@@ -94,7 +94,7 @@ class LayeredProgram:
         # Heads are not fused: a few ops a step, and fused logits could move a near-tie's argmax.
         executors = [ex for ex in options.get("executors", ()) if ex.name != FUSION]
         self.head_options = dict(options, executors=executors) if FUSION in names else options
-        self.entries = None if store is None else PieceStore(store, program, config, options, self.head_options)
+        self.cache = None if store is None else PieceKeys(store, program, config, options, self.head_options)
 
     def _making(self):
         """The context pieces are made in: fusion regions store their compiled code under the cache root."""
@@ -162,8 +162,8 @@ class LayeredProgram:
             shape.may_stack = shape.stack is not None
         if not shape.blocks_settled:
             shape.blocks_settled = True
-            if self.entries is not None:
-                self.entries.save_blocks(shape.shared, (x, *shared))
+            if self.cache is not None:
+                self.cache.save_blocks(shape.shared, (x, *shared))
         return x
 
     def _checked_stack(self, calls: OpCalls, x_in, shared: list, out: torch.Tensor) -> BlockStack | None:
@@ -195,7 +195,7 @@ class LayeredProgram:
 
     def _load_or_trace_block(self, shape: _Shape, i: int, module, args: tuple, start: float):
         try:
-            if not shape.shared.traces and self.entries is not None:
+            if not shape.shared.traces and self.cache is not None:
                 self._take_stored_blocks(shape, args)
             piece = shape.shared.find(module)
             if piece is not None:
@@ -246,8 +246,8 @@ class LayeredProgram:
 
     def _load_or_trace(self, kind: str, module, args: tuple, probe: Callable[[], tuple], start: float):
         try:
-            key = self.entries.key(kind, "", args) if self.entries is not None else None
-            piece = self.entries.load(key) if key is not None else None
+            key = self.cache.key(kind, "", args) if self.cache is not None else None
+            piece = self.cache.load(key) if key is not None else None
             if piece is not None:
                 bound = piece.bind(module)
                 problem = checked_call(bound, module, probe(), self._eager_linears)
@@ -255,14 +255,14 @@ class LayeredProgram:
                     self._count(True, kind, piece, traced=False)
                     return bound, None if self._checked_is_enough(kind, piece) else bound(*args)
                 warn(
-                    f"compile cache entry {self.entries.name(key)} ignored, retracing: "
+                    f"compile cache entry {self.cache.name(key)} ignored, retracing: "
                     f"failed its load-time check ({problem})"
                 )
             options = self.head_options if kind.startswith("head") else self.options
             piece, out = trace_piece(module, args, options)
             self._count(True, kind, piece, traced=True)
             if key is not None:
-                self.entries.save(key, piece)
+                self.cache.save(key, piece)
             return piece.bind(module), out
         finally:
             self.seconds[kind] += time.perf_counter() - start
@@ -297,7 +297,7 @@ class LayeredProgram:
     # -- the compile cache --------------------------------------------------------------------
     def _take_stored_blocks(self, shape: _Shape, args: tuple) -> None:
         """The stored block programs of this shape, if its whole layout loads, and the values found not to matter."""
-        stored = self.entries.load_blocks(args)
+        stored = self.cache.load_blocks(args)
         if stored is None:
             return
         ignored, pieces = stored

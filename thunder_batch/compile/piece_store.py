@@ -4,16 +4,16 @@ blocks (which programs serve the layers, and the checked values found not to mat
 
 from __future__ import annotations
 
-from thunder_batch.compile.cache import EntryStore, make_key, piece_key, warn
+from thunder_batch.compile.cache import CompileCacheFiles, make_key, piece_key, warn
 from thunder_batch.compile.executors import describe_options
-from thunder_batch.compile.pieces import SharedTraces, TracedPiece, piece_from_record
-from thunder_batch.compile.signature import paths_from_json, paths_to_json
+from thunder_batch.compile.trace_checks import paths_from_json, paths_to_json
+from thunder_batch.compile.traced_piece import SharedTraces, TracedPiece, piece_from_record
 
 
-class PieceStore:
+class PieceKeys:
     """options: the jit options of prefix and block pieces; head_options: the heads' (no fusion)."""
 
-    def __init__(self, store: EntryStore, program, config, options: dict, head_options: dict) -> None:
+    def __init__(self, store: CompileCacheFiles, program, config, options: dict, head_options: dict) -> None:
         self.store, self.program, self.config = store, program, config
         self._options = {False: options, True: head_options}
         self._base_keys: dict[bool, object] = {}  # head or not -> the key fields its pieces share

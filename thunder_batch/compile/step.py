@@ -77,7 +77,7 @@ def _load_or_compile(program: StepProgram, config: EngineConfig, probe_inputs) -
         return compile_program(program, config)
     import_thunder()  # the compat patches must come before any thunder import
     from thunder_batch.compile import block_op, project_executor, trace_speedups
-    from thunder_batch.compile.cache import EntryStore, resolve_root
+    from thunder_batch.compile.cache import CompileCacheFiles, resolve_root
     from thunder_batch.compile.fusion import EXECUTOR as FUSION
     from thunder_batch.compile.layered import LayeredProgram
 
@@ -90,7 +90,7 @@ def _load_or_compile(program: StepProgram, config: EngineConfig, probe_inputs) -
         program,
         config,
         options,
-        EntryStore(resolve_root(config.cache_dir), next(program.parameters()).device),
+        CompileCacheFiles(resolve_root(config.cache_dir), next(program.parameters()).device),
         probe_inputs,
     )
 

@@ -22,7 +22,7 @@ from contextlib import suppress
 from litserve.loops.continuous_batching_loop import ContinuousBatchingLoop
 from litserve.utils import LitAPIStatus, LoopResponseType
 
-from thunder_batch.serve.state import HEARTBEAT_S, MESSAGES_UID
+from thunder_batch.serve.shared_state import HEARTBEAT_S, MESSAGES_UID
 
 logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 1.0  # an idle worker looks at its queue this often; a new request wakes it at once

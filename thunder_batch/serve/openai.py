@@ -48,7 +48,7 @@ class APIError(Exception):
 
 
 @dataclass
-class Job:
+class ParsedRequest:
     """A validated request: what the worker needs, and how to shape the answer. Choice i*n + j is
     the j-th of the `n` answers to prompts[i] (OpenAI's order)."""
 
@@ -97,8 +97,8 @@ def parse_json(body: bytes) -> dict:
     return data
 
 
-def parse_request(body: bytes, kind: str, limits: Limits = Limits()) -> Job:
-    """Body of POST /v1/chat/completions (CHAT) or /v1/completions (COMPLETION) -> Job, or APIError (400)."""
+def parse_request(body: bytes, kind: str, limits: Limits = Limits()) -> ParsedRequest:
+    """Body of POST /v1/chat/completions (CHAT) or /v1/completions (COMPLETION) -> ParsedRequest, or APIError (400)."""
     data = parse_json(body)
     _get(data, "model", str)  # any name is accepted: one model is served
     for name, neutral in NEUTRAL.items():
@@ -120,7 +120,7 @@ def parse_request(body: bytes, kind: str, limits: Limits = Limits()) -> Job:
     include_usage = stream and _get(options, "include_usage", bool, False, "stream_options.include_usage")
     n = _n(data, len(prompts), limits)
     params = _sampling(data, max_tokens, logprobs, logprobs if echo else None)
-    return Job(kind, prompts, params, stream, include_usage, n, echo, logprobs is not None, echo_only)
+    return ParsedRequest(kind, prompts, params, stream, include_usage, n, echo, logprobs is not None, echo_only)
 
 
 def _chat_logprobs(data: dict) -> int | None:

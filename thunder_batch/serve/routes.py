@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from litserve.specs.base import LitSpec
 from starlette.exceptions import HTTPException
 
-from thunder_batch.serve.calls import Call, ClientGone
-from thunder_batch.serve.openai import CHAT, COMPLETION, APIError, Job, Limits, parse_request
+from thunder_batch.serve.in_flight import Call, ClientGone
+from thunder_batch.serve.openai import CHAT, COMPLETION, APIError, Limits, ParsedRequest, parse_request
 from thunder_batch.serve.responses import SSE_DONE, Choice, ResponseBuilder, models_list, sse, usage
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class OpenAIRoutes(LitSpec):
             if not streaming:
                 call.close()
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, job: ParsedRequest) -> None:
         if self.state.draining:
             raise APIError(503, "the server is shutting down: send this request elsewhere", code="draining")
         capacity = self.settings.capacity
@@ -148,7 +148,7 @@ class OpenAIRoutes(LitSpec):
             )
 
     async def _collect(
-        self, call: Call, job: Job, bodies: ResponseBuilder, prompt_tokens: int, start, request
+        self, call: Call, job: ParsedRequest, bodies: ResponseBuilder, prompt_tokens: int, start, request
     ) -> Response:
         choices = [Choice(i) for i in range(job.choices)]
         while not call.done:
@@ -158,7 +158,9 @@ class OpenAIRoutes(LitSpec):
         self._finished([c.finish_reason for c in choices], start)
         return JSONResponse(bodies.full(choices, used))
 
-    async def _stream(self, call: Call, job: Job, bodies: ResponseBuilder, prompt_tokens: int, start, request):
+    async def _stream(
+        self, call: Call, job: ParsedRequest, bodies: ResponseBuilder, prompt_tokens: int, start, request
+    ):
         choices = [Choice(i) for i in range(job.choices)]
         try:
             if job.kind == CHAT:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from thunder_batch.serve.auth import APIKeyMiddleware
 from thunder_batch.serve.cancels import CancelBoard
 from thunder_batch.serve.routes import OpenAIRoutes, ServeSettings, install_error_handlers
-from thunder_batch.serve.state import HEARTBEAT_S, SharedState
+from thunder_batch.serve.shared_state import HEARTBEAT_S, SharedState
 from thunder_batch.serve.worker import EngineAPI
 
 logger = logging.getLogger(__name__)

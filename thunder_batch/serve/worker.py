@@ -30,8 +30,8 @@ from thunder_batch.observe import StepEvent
 from thunder_batch.serve.loop import EngineLoop
 from thunder_batch.serve.metrics import Metrics
 from thunder_batch.serve.openai import APIError
-from thunder_batch.serve.state import UNHEALTHY_AFTER_FAILED_STEPS
-from thunder_batch.serve.tokens import TokenTexts
+from thunder_batch.serve.shared_state import UNHEALTHY_AFTER_FAILED_STEPS
+from thunder_batch.serve.token_texts import TokenTexts
 
 logger = logging.getLogger(__name__)
 RECENT = 4096  # finished uids remembered, to clear a cancel that raced the end of its request
@@ -41,7 +41,7 @@ Event = tuple  # (uid, message dict for the HTTP side, finished: bool)
 
 
 @dataclass
-class _Job:
+class _Choices:
     """One HTTP request in this worker: its choices (engine Requests) and how to report them."""
 
     requests: list
@@ -94,7 +94,7 @@ class EngineAPI(ls.LitAPI):
         self.engine, self.lock = engine, threading.Lock()
         self.engine_thread = self.engine_thread or ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.metrics = Metrics(self.model)
-        self._jobs: dict[str, _Job] = {}  # uid -> its choices, for every request in the engine
+        self._jobs: dict[str, _Choices] = {}  # uid -> its choices, for every request in the engine
         self._requests: dict = {}  # engine request id -> (uid, choice)
         self._finished: OrderedDict = OrderedDict()  # recently finished uids
         self._texts = TokenTexts(engine.tokenizer)
@@ -158,7 +158,7 @@ class EngineAPI(ls.LitAPI):
             return requests
         self.engine.enqueue(requests)
         n = payload["n"]
-        job = _Job(requests, payload["prompts"], n, payload["echo"], payload["logprobs"], payload["arrival"])
+        job = _Choices(requests, payload["prompts"], n, payload["echo"], payload["logprobs"], payload["arrival"])
         job.echo_only = payload.get("echo_only", False)
         job.live.update(range(len(requests)))
         self._jobs[uid] = job
@@ -223,7 +223,7 @@ class EngineAPI(ls.LitAPI):
             events.append((uid, message, last))
         return events
 
-    def _message(self, job: _Job, choice: int, output) -> dict | None:
+    def _message(self, job: _Choices, choice: int, output) -> dict | None:
         request = job.requests[choice]
         message = {"event": "delta", "index": choice, "text": "" if job.echo_only else output.text or ""}
         if job.logprobs and not job.echo_only:
@@ -270,10 +270,10 @@ class EngineAPI(ls.LitAPI):
     def _report(self) -> None:
         counters = self.engine.counters()
         self.state.set_worker(self.index, running=counters["running"], waiting=counters["waiting"])
-        self.metrics.count_prefix_cache(counters["prefix_cache_queries"], counters["prefix_cache_hits"])
+        self.metrics.count_prefix_cache(counters["prompt_tokens_looked_up"], counters["prompt_tokens_reused"])
         self._publish()
 
-    def _time_token(self, job: _Job, choice: int, now: float) -> None:
+    def _time_token(self, job: _Choices, choice: int, now: float) -> None:
         last = job.last_token.get(choice)
         if last is None:
             self.metrics.labels(self.metrics.ttft).observe(max(now - job.arrival, 0.0))

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from thunder_batch._compat import import_thunder
-from thunder_batch.compile import signature
-from thunder_batch.compile.signature import Check, Path
+from thunder_batch.compile import trace_checks
+from thunder_batch.compile.trace_checks import Check, Path
 from thunder_batch.compile.trace_export import (
     BoundComputation,
     NotExportable,
@@ -64,7 +64,7 @@ def trace_piece(module: nn.Module, args: Sequence[torch.Tensor], options: dict):
     outputs = jitted(*args)
     entry, inputs = computation_and_inputs(jitted, args)
     bindings = input_bindings(inputs, args, module)
-    checks = signature.prologue_checks(entry.prologue_traces[-1])
+    checks = trace_checks.prologue_checks(entry.prologue_traces[-1])
     piece = TracedPiece(
         entry.computation_fn,
         bindings,
@@ -75,7 +75,7 @@ def trace_piece(module: nn.Module, args: Sequence[torch.Tensor], options: dict):
         jitted=jitted,
     )
     try:
-        piece.record = dict(export_record(entry, bindings), checks=signature.to_json(checks))
+        piece.record = dict(export_record(entry, bindings), checks=trace_checks.to_json(checks))
     except NotExportable as e:
         piece.not_stored = str(e)
     return piece, outputs
@@ -97,7 +97,7 @@ def piece_from_record(record: dict) -> TracedPiece:
         record["inputs"],
         written_names(record),
         record["single_output"],
-        signature.from_json(record["checks"]),
+        trace_checks.from_json(record["checks"]),
         record["source"],
         record=record,
     )
@@ -134,14 +134,14 @@ class SharedTraces:
     def find(self, module: nn.Module) -> TracedPiece | None:
         """The first trace whose checks `module` passes, apart from ignored values."""
         for piece in self.traces:
-            if signature.mismatches(piece.checks, module) <= self.ignored:
+            if trace_checks.mismatches(piece.checks, module) <= self.ignored:
                 return piece
         return None
 
     def add(self, new: TracedPiece) -> TracedPiece:
         """Keep `new`, or the earlier trace that is the same program (learning what to ignore)."""
         for old in self.traces:
-            differing = signature.differing_paths(old.checks, new.checks)
+            differing = trace_checks.differing_paths(old.checks, new.checks)
             if differing is not None and same_program_text(old.source, new.source):
                 self.ignored |= differing
                 return old
@@ -149,4 +149,4 @@ class SharedTraces:
         return new
 
     def digest(self, piece: TracedPiece) -> str:
-        return signature.digest(piece.checks, self.ignored)
+        return trace_checks.digest(piece.checks, self.ignored)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from thunder_batch.bench.metrics import RequestTrace
 from thunder_batch.bench.options import BenchOptions
-from thunder_batch.bench.plan import parse_lengths
+from thunder_batch.bench.run_plan import parse_lengths
 
 
 @dataclass

@@ -16,7 +16,7 @@ def entry_files(root: Path) -> list[Path]:
     return sorted(root.glob("*.json")) if root.is_dir() else []
 
 
-def list_entries(root: Path) -> None:
+def list_compile_cache(root: Path) -> None:
     """One line per entry: digest, piece, model, B and rows N, cache length, dtype, device, size, age, status."""
     files = entry_files(root)
     print(f"{root}: {len(files)} entr{'y' if len(files) == 1 else 'ies'}")
@@ -44,7 +44,7 @@ def list_entries(root: Path) -> None:
         print(f"  inductor-cache/: Inductor's own caches, {size:.1f} MB")
 
 
-def clear_entries(root: Path) -> None:
+def clear_compile_cache(root: Path) -> None:
     """Delete entries, compiled fusion regions, Inductor's caches and leftover temp files; anything
     else in the root (e.g. a README) stays."""
     removed = 0

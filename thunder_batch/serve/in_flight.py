@@ -16,7 +16,7 @@ from fastapi import Request
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 
 from thunder_batch.serve.openai import APIError
-from thunder_batch.serve.state import MESSAGES_UID
+from thunder_batch.serve.shared_state import MESSAGES_UID
 
 POLL_S = 1.0  # how often a waiting request checks its worker and its deadline
 
