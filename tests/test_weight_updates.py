@@ -153,6 +153,22 @@ def test_a_replaced_submodule_is_refused_and_loses_nothing(unchanged_tokens):
     assert run_steps([engine], 24, at_step)[engine] == unchanged_tokens
 
 
+def test_a_removed_weight_is_refused_and_loses_nothing(unchanged_tokens):
+    gpt = tiny_gpt("llama")
+    engine = Engine(gpt, EngineConfig(**CONFIG, compile="eager"))
+    add_requests([engine])
+    fc = gpt.transformer.h[1].mlp.fc_1
+
+    def at_step(step):
+        if step == 4:
+            weight, fc.weight = fc.weight, None
+            with pytest.raises(WeightsChangedError, match=r"weight transformer.h.1.mlp.fc_1.weight was removed"):
+                engine.step()
+            fc.weight = weight
+
+    assert run_steps([engine], 24, at_step)[engine] == unchanged_tokens
+
+
 @pytest.mark.parametrize("compile_mode", ["eager", "thunder"])
 @pytest.mark.parametrize("kind", ["in_place", "assign", "data", "data_copy", "update_weights"])
 def test_no_kept_prefix_is_reused_after_a_weight_change(kind, compile_mode, tmp_path_factory):

@@ -84,10 +84,15 @@ class WeightWatch:
         engine cannot follow); the caller follows `moved` before the next step."""
         self._check_modules()
         tensors = self._now()
-        now = self._look(tensors)
+        try:
+            now = self._look(tensors)
+        except AttributeError:  # `module.weight = None`: nothing to run in its place
+            name = next(name for (name, *_), t in zip(self._slots, tensors) if t is None)
+            message = f"weight {name} was removed (it is None): put it back, or build a new Engine"
+            raise WeightsChangedError(message) from None
         if now == self._seen:
             return WeightChanges()
-        moved = []
+        moved: list[torch.Tensor] = []
         for (name, *_), t, (key, ptr, _), (old_key, old_ptr, _), meta in zip(
             self._slots, tensors, now, self._seen, self._metas
         ):
@@ -99,7 +104,8 @@ class WeightWatch:
                     "the shapes, dtype and device it was built for; restore them, or build a new Engine for the new "
                     "model (copy new values in with Engine.update_weights)"
                 )
-            moved.append(t)
+            if not any(t is m for m in moved):  # a tied weight: once
+                moved.append(t)
         self._remember(tensors)
         return WeightChanges(edited=True, moved=moved)
 
