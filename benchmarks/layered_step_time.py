@@ -52,7 +52,7 @@ def _empty_plan():
     return StepPlan([])
 
 
-def time_steps(engine, args, steps: int) -> float:
+def median_step_seconds(engine, args, steps: int) -> float:
     import torch
 
     with torch.no_grad():
@@ -80,7 +80,7 @@ def main() -> None:
         times = {trace: [] for trace in engines}
         for _ in range(args.rounds):
             for trace, (engine, _) in engines.items():
-                times[trace].append(time_steps(engine, step_args, args.steps))
+                times[trace].append(median_step_seconds(engine, step_args, args.steps))
         median = {trace: statistics.median(ms) for trace, ms in times.items()}
         print(
             json.dumps(

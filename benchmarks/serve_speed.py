@@ -108,14 +108,13 @@ def steps_between(before: dict, after: dict) -> dict:
 
 def load_engine(args):
     from thunder_batch import Engine, EngineConfig
-    from thunder_batch.runner import time_steps
 
     config = EngineConfig(batch_size=args.batch_size, max_seq_length=args.max_seq_length, compile=args.compile)
     engine = Engine.from_checkpoint(args.checkpoint_dir, config)
     if args.compile == "thunder":
         engine.warmup()
     steps: dict = {}  # shape -> list of step seconds (as the server's worker times them for /metrics)
-    time_steps(engine.runner, lambda shape, seconds: steps.setdefault(shape, []).append(seconds))
+    engine.observers.add(lambda event: steps.setdefault(event.shape_name, []).append(event.seconds))
     return engine, steps
 
 
