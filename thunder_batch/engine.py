@@ -167,11 +167,9 @@ class Engine:
         seconds = time.perf_counter() - planned
         self._counters["steps"] += 1
         outputs = [output for work in plan.work if (output := self._advance(work, result)) is not None]
-        shape = self.runner.shape_for(plan)
         if self.drafter is not None and (plan.verify or not plan.busy_lanes):  # the gate weighs decode steps
-            self.drafter.gate.record(shape.lanes if plan.verify else "plain", seconds)
-        timing = (planned - start, result.inputs_seconds, seconds)
-        self.observers.notify(StepEvent(plan, shape, shape.describe(self.config), *timing, tuple(outputs)))
+            self.drafter.gate.record(result.shape.lanes if plan.verify else "plain", seconds)
+        self._observed(plan, result, planned - start, seconds, outputs)
         return outputs
 
     def probe_step(self) -> float:
@@ -181,9 +179,14 @@ class Engine:
         start = time.perf_counter()
         result = self.runner.run(plan)
         seconds = time.perf_counter() - start
-        shape = self.runner.shape_for(plan)
-        self.observers.notify(StepEvent(plan, shape, shape.describe(self.config), 0.0, result.inputs_seconds, seconds))
+        self._observed(plan, result, 0.0, seconds)
         return seconds
+
+    def _observed(self, plan, result, schedule_seconds: float, seconds: float, outputs=()) -> None:
+        """Hand the step just run to every observer (a StepEvent)."""
+        shape = result.shape
+        timing = (schedule_seconds, result.inputs_seconds, seconds)
+        self.observers.notify(StepEvent(plan, shape, shape.describe(self.config), *timing, tuple(outputs)))
 
     def _advance(self, work, result) -> StepOutput | None:
         """After the step, one slot's work: its prompt logprobs, counters, and what it sampled appended

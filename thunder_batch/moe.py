@@ -54,11 +54,12 @@ class StackedExperts(nn.Module):
         self.config, self.layout = cfg, layout  # layout None: chosen per step shape by layout_for
         self.gate = moe.gate
         self.shared_experts = getattr(moe, "shared_experts", None)
-        fc, proj = [[m.fc_1, m.fc_2] for m in moe.experts], [[m.proj] for m in moe.experts]
-        self.fc = _parameter([[linear.weight for linear in e] for e in fc])  # [E, 2I, C]
-        self.proj = _parameter([[linear.weight for linear in e] for e in proj])  # [E, C, I]
-        self.fc_bias = _parameter([[linear.bias for linear in e] for e in fc]) if cfg.bias else None  # [E, 2I]
-        self.proj_bias = _parameter([[linear.bias for linear in e] for e in proj]) if cfg.bias else None  # [E, C]
+        fc, proj = expert_tensors(moe, "weight")
+        self.fc, self.proj = _parameter(fc), _parameter(proj)  # [E, 2I, C], [E, C, I]
+        self.fc_bias = self.proj_bias = None  # [E, 2I], [E, C] where the experts have biases
+        if cfg.bias:
+            fc_bias, proj_bias = expert_tensors(moe, "bias")
+            self.fc_bias, self.proj_bias = _parameter(fc_bias), _parameter(proj_bias)
         self.grouped_runs = _grouped_runs(self)  # a plain attribute: the trace depends on it
         if not self.grouped_runs and layout in (None, "grouped"):
             fallbacks.report(
@@ -192,9 +193,13 @@ def restack(experts: StackedExperts, moe: LLaMAMoE) -> None:
     """After the model's expert weights were replaced (new tensors, or new data: no longer views of the
     stacks), their values go into the stacks and they become views again. Weights edited in place need
     nothing: they are the stacks."""
-    fc, proj = [[m.fc_1, m.fc_2] for m in moe.experts], [[m.proj] for m in moe.experts]
-    _into(experts.fc, [[linear.weight for linear in e] for e in fc])
-    _into(experts.proj, [[linear.weight for linear in e] for e in proj])
-    if experts.fc_bias is not None:
-        _into(experts.fc_bias, [[linear.bias for linear in e] for e in fc])
-        _into(experts.proj_bias, [[linear.bias for linear in e] for e in proj])
+    for stacks, attr in [((experts.fc, experts.proj), "weight"), ((experts.fc_bias, experts.proj_bias), "bias")]:
+        if stacks[0] is not None:
+            for stack, per_expert in zip(stacks, expert_tensors(moe, attr)):
+                _into(stack, per_expert)
+
+
+def expert_tensors(moe: LLaMAMoE, attr: str) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Each expert's `attr` ("weight" or "bias") of fc_1 then fc_2, and of proj: the stacks' `fc` and `proj`."""
+    fc = [[getattr(e.fc_1, attr), getattr(e.fc_2, attr)] for e in moe.experts]
+    return fc, [[getattr(e.proj, attr)] for e in moe.experts]

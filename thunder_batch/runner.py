@@ -37,6 +37,7 @@ class StepResult:
     verify_logprobs: list[float] | None = None
     verify_top: list[list[tuple[int, float]]] | None = None
     inputs_seconds: float = 0.0  # building the step's input tensors
+    shape: StepShape | None = None  # the step's shape
 
 
 class Runner:
@@ -232,11 +233,12 @@ class Runner:
         with torch.no_grad():
             self.copy_prefixes(plan.copies, plan.dropped)
             start = time.perf_counter()
+            shape = shape or self.shape_for(plan)
             inputs = self.inputs_for(plan, shape)
             inputs_seconds = time.perf_counter() - start
             out = fn(*inputs, head=variant_name(head, verify=plan.verify))
         result = _verify_result(out) if plan.verify else _step_result(out)
-        result.inputs_seconds = inputs_seconds
+        result.inputs_seconds, result.shape = inputs_seconds, shape
         return result
 
 

@@ -63,14 +63,14 @@ class WeightWatch:
             for key, t in m._parameters.items()
             if t is not None
         ]
-        self._remember(self._now())
+        tensors = self._now()
+        self._remember(tensors, self._look(tensors))
         self._metas = [_meta(t) for t in self._tensors]
 
-    def _remember(self, tensors: list[torch.Tensor]) -> None:
+    def _remember(self, tensors: list[torch.Tensor], seen: list[tuple[int, int, int]]) -> None:
         # Held, so that no other tensor takes their ids and no new data their memory (`half()` then `float()`
         # between two looks would give back the first memory: no address would seem to change).
-        self._tensors, self._memory = tensors, [t.detach() for t in tensors]
-        self._seen = self._look(tensors)
+        self._tensors, self._memory, self._seen = tensors, [t.detach() for t in tensors], seen
 
     def _now(self) -> list[torch.Tensor]:
         return [params[key] for _, params, key in self._slots]
@@ -106,7 +106,7 @@ class WeightWatch:
                 )
             if not any(t is m for m in moved):  # a tied weight: once
                 moved.append(t)
-        self._remember(tensors)
+        self._remember(tensors, now)
         return WeightChanges(edited=True, moved=moved)
 
     def _check_modules(self) -> None:

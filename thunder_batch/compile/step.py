@@ -104,18 +104,17 @@ def follow_weights(fn: Callable, moved: list) -> None:
 
     if not is_compiled(fn):
         return  # eager reads the model's modules as they are
+    from thunder_batch._compat import rebind_thunder_module
     from thunder_batch.compile.project_executor import PACKED
 
     PACKED.refresh(moved)
     if isinstance(fn, CUDAGraphProgram):
         fn.graphs.clear()  # captured at the old addresses: captured again on their next call
-        fn = fn.program
-    if isinstance(fn, LayeredProgram):
-        fn.rebind()
-    elif is_compiled(fn):  # trace="step": Thunder's module
-        from thunder_batch._compat import rebind_thunder_module
-
-        rebind_thunder_module(fn)
+    program = _unwrapped(fn)
+    if isinstance(program, LayeredProgram):
+        program.rebind()
+    else:  # trace="step": Thunder's module
+        rebind_thunder_module(program)
 
 
 def is_compiled(fn: Callable) -> bool:
