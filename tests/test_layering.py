@@ -22,7 +22,7 @@ LAYERS = [
     (
         "torch",
         ["_compat", "index_ops", "kv_cache", "moe", "model", "sampler", "program", "checkpoints", "gguf_convert"]
-        + ["native", "weights"],
+        + ["native", "weights", "quantized", "gguf_load"],
     ),
     ("thunder", ["compile"]),
     ("runner", ["runner"]),

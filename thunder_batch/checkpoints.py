@@ -53,10 +53,16 @@ def bundled_gguf_path() -> Path:
     )
 
 
+def is_gguf_file(path: Path | str) -> bool:
+    return Path(path).suffix == ".gguf" and Path(path).is_file()
+
+
 def validate_checkpoint_dir(checkpoint_dir: Path | str) -> Path:
     """Raise FileNotFoundError naming exactly which required file is missing: lit_model.pth, model_config.yaml,
     tokenizer.json or tokenizer.model, tokenizer_config.json (and that tokenizer_config.json has tokenizer_class)."""
     checkpoint_dir = Path(checkpoint_dir)
+    if is_gguf_file(checkpoint_dir):
+        return checkpoint_dir
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"checkpoint dir {str(checkpoint_dir)!r} does not exist or is not a directory")
     required = {
@@ -85,7 +91,12 @@ def _check_tokenizer_config(path: Path) -> None:
 def load_checkpoint(
     checkpoint_dir: Path | str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> tuple[litgpt.GPT, litgpt.Tokenizer, litgpt.Config]:
-    """Validate, build the GPT from model_config.yaml (litgpt.Config.from_file), load lit_model.pth, eval mode."""
+    """Validate, build the GPT from model_config.yaml (litgpt.Config.from_file), load lit_model.pth, eval mode.
+    A `.gguf` file loads directly, its linears kept quantized at float32 (gguf_load)."""
+    if is_gguf_file(checkpoint_dir):
+        from thunder_batch.gguf_load import load_gguf
+
+        return load_gguf(checkpoint_dir, dtype=dtype, device=device)
     checkpoint_dir = validate_checkpoint_dir(checkpoint_dir)
     config = litgpt.Config.from_file(checkpoint_dir / "model_config.yaml")
     # Build on meta, then allocate: skips a random init that costs seconds for a 135M model.

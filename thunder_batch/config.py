@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from thunder_batch.stops import normalize_stop
 
 COMPILE_MODES = ("thunder", "eager")
+# GGUF formats a float32 model can be quantized to as it loads (quantized.py; the `gguf` package makes them).
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 TRACE_MODES = ("layers", "step")
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # top alternatives per token a step can return (OpenAI's top_logprobs limit)
@@ -143,6 +145,10 @@ class EngineConfig:
     speculative_tokens: int = 0
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 3
+    # Block linears as GGUF quantized blocks of this format (quantized.QUANTIZABLE: q8_0, q4_0, q4_1, q5_0, q5_1),
+    # made from the model's float32 weights when the engine is built (the model is changed in place); None: as
+    # loaded (a GGUF file's quantized linears stay quantized either way). float32 activations, CPU.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _require_int("batch_size", self.batch_size, 1)
@@ -159,6 +165,9 @@ class EngineConfig:
         _require_int("prefix_copy_min", self.prefix_copy_min, 1)
         _require_int("prefix_store_mb", self.prefix_store_mb, 0)
         self._check_speculative()
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            choices = ", ".join(QUANTIZATIONS)
+            raise ParamError("quantization", f"quantization must be one of {choices}; got {self.quantization!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.trace not in TRACE_MODES:

@@ -13,6 +13,7 @@ from thunder_batch.drafts import Drafter, accepted_tokens
 from thunder_batch.intake import PromptIntake
 from thunder_batch.kv_cache import bytes_per_token
 from thunder_batch.observe import Observers, StepEvent
+from thunder_batch.quantized import check_quantized
 from thunder_batch.request import GenerationResult, Request, StepOutput, joined_outputs
 from thunder_batch.runner import Runner, program_stats
 from thunder_batch.scheduler import Scheduler
@@ -30,6 +31,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.model, self.tokenizer = model, tokenizer
         self.prompt_style = prompt_style or prompt_style_for(model.config)
+        check_quantized(model, self.config)
         self.runner = Runner(model, self.config)
         cfg = self.config
         store_tokens = cfg.prefix_store_mb * 2**20 // bytes_per_token(self.runner.caches)

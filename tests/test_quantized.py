@@ -1,0 +1,126 @@
+"""Quantized linears: the native dequantization is the `gguf` package's bit for bit, the native kernel is a float32
+matmul on it up to summation order, and a compiled engine on quantized weights (a GGUF file kept quantized, or a
+model quantized as it loads) gives the same greedy tokens as its oracles."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from thunder_batch import Engine, EngineConfig, SamplingParams, quantized
+from thunder_batch.checkpoints import bundled_gguf_path, default_checkpoint_dir, load_checkpoint
+
+why_not = quantized.quantized_kernels()
+pytestmark = pytest.mark.skipif(why_not is not None, reason=f"no native kernels: {why_not}")
+
+ROWS = [1, 2, 3, 5, 8, 9, 16, 17, 33, 64]  # decode rows, both sides of the register path's 16, prompt lanes
+K_SCALES = {"q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}  # byte offsets of a K-quant block's float16 scales
+
+
+def random_blocks(name: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """uint8 [out, row bytes] of format `name`: the gguf package's quantization of random weights, or (K-quants,
+    which it cannot make) random bytes with small finite float16 scales."""
+    rng = np.random.default_rng(seed)
+    kind = gguf.GGMLQuantizationType(quantized.FORMATS[name])
+    if name in quantized.QUANTIZABLE:
+        return gguf.quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), kind)
+    weights, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, (out_features, in_features // weights, nbytes), dtype=np.uint8)
+    for offset in K_SCALES[name]:
+        scales = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(out_features, -1)
+
+
+def shape_for(name: str) -> tuple[int, int]:
+    weights = quantized.block_size(quantized.FORMATS[name])[0]
+    return 37, weights * (3 if weights == 256 else 7)  # odd output count, a few blocks
+
+
+@pytest.mark.parametrize("name", list(quantized.FORMATS))
+def test_dequantize_is_the_gguf_packages_bit_for_bit(name):
+    out_features, in_features = shape_for(name)
+    blocks = random_blocks(name, out_features, in_features)
+    expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(quantized.FORMATS[name]))
+    got = quantized.dequantize(torch.from_numpy(blocks), quantized.FORMATS[name], in_features)
+    assert got.shape == (out_features, in_features)
+    assert np.array_equal(got.numpy().view(np.uint32), expected.reshape(got.shape).view(np.uint32))
+
+
+@pytest.mark.parametrize("name", list(quantized.FORMATS))
+def test_kernel_is_a_float32_matmul_on_the_dequantized_weights(name):
+    out_features, in_features = shape_for(name)
+    blocks = torch.from_numpy(random_blocks(name, out_features, in_features, seed=1))
+    dense = torch.from_numpy(
+        gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(quantized.FORMATS[name]))
+    ).reshape(out_features, in_features)
+    bias = torch.randn(out_features)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features)
+        got = torch.ops.thunder_batch.quantized_linear(x, blocks, bias, quantized.FORMATS[name], in_features)
+        exact = x.double() @ dense.double().T + bias.double()
+        scale = x.double().abs() @ dense.double().abs().T + bias.double().abs()
+        # float32 sums in another order: within a few units of float32 rounding of the sum of magnitudes
+        assert ((got.double() - exact).abs() <= 4e-6 * scale + 1e-30).all(), (name, rows)
+
+
+def test_quantized_linear_from_a_float_linear_is_the_gguf_round_trip():
+    linear = torch.nn.Linear(64, 24, bias=True)
+    layer = quantized.QuantizedLinear.from_linear(linear, quantized.FORMATS["q8_0"])
+    x = torch.randn(3, 64)
+    blocks = gguf.quants.quantize(linear.weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    dense = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0))
+    assert torch.equal(layer.weight, torch.from_numpy(blocks))
+    assert torch.equal(layer(x), F.linear(x, dense, linear.bias))
+    assert "format=q8_0" in repr(layer)
+
+
+def test_bad_quantization_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match="q8_0, q4_0, q4_1, q5_0, q5_1; got 'q4_k'"):
+        EngineConfig(quantization="q4_k")
+    model, tokenizer, _ = load_checkpoint(default_checkpoint_dir(), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 activations"):
+        Engine(model, EngineConfig(quantization="q8_0"), tokenizer)
+    model, tokenizer, _ = load_checkpoint(default_checkpoint_dir())
+    with pytest.raises(ValueError, match="add 'thunder_batch' to executors"):
+        Engine(model, EngineConfig(quantization="q8_0", executors=("torch",)), tokenizer)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", [{"role": "user", "content": "Name three colors."}]]
+
+
+def greedy_ids(engine: Engine, new_tokens: int = 16) -> list[list[int]]:
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=new_tokens, temperature=0.0))
+    return [r.token_ids for r in results]
+
+
+def test_compiled_quantized_model_equals_eager():
+    """EngineConfig(quantization=...) on a float32 checkpoint: the compiled step (native kernel on the blocks)
+    gives eager's tokens (the gguf package's dequantization and torch's linear)."""
+    ids = {}
+    for mode in ("eager", "thunder"):
+        model, tokenizer, _ = load_checkpoint(default_checkpoint_dir())
+        config = EngineConfig(batch_size=4, max_seq_length=256, compile=mode, quantization="q4_0")
+        engine = Engine(model, config, tokenizer)
+        assert sum(isinstance(m, quantized.QuantizedLinear) for m in model.modules()) == 5 * model.config.n_layer
+        ids[mode] = greedy_ids(engine)
+    assert ids["thunder"] == ids["eager"]
+    assert len(ids["thunder"][0]) == len(ids["thunder"][1]) == 16  # the chat prompt may end at its stop token
+
+
+def test_gguf_file_kept_quantized_gives_the_dequantized_checkpoints_tokens():
+    """The bundled Q4_1 file loads with its block linears as the file's own bytes (a quarter of float32's memory
+    and less), and the compiled engine's greedy tokens equal the engine's on the same file dequantized to float32."""
+    engine = Engine.from_checkpoint(bundled_gguf_path(), EngineConfig(batch_size=4, max_seq_length=256))
+    layers = [m for m in engine.model.modules() if isinstance(m, quantized.QuantizedLinear)]
+    assert len(layers) == 5 * engine.model.config.n_layer
+    assert {quantized.FORMAT_NAMES[m.ggml_type] for m in layers} == {"q4_1"}
+    reader = gguf.GGUFReader(bundled_gguf_path())
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith("weight"))
+    norm_bytes = sum(4 * int(t.n_elements) for t in reader.tensors if t.name.startswith("blk.") and "norm" in t.name)
+    assert sum(m.weight.numel() for m in layers) == file_bytes - norm_bytes
+    dense = Engine.from_checkpoint(default_checkpoint_dir(), EngineConfig(batch_size=4, max_seq_length=256))
+    assert greedy_ids(engine) == greedy_ids(dense)

@@ -1,0 +1,169 @@
+"""Load a llama-architecture GGUF file (llama.cpp's) straight into a litgpt GPT, its linears kept quantized.
+
+Each block linear stored in a format with a native kernel (quantized.FORMATS) becomes a QuantizedLinear
+holding the file's bytes (Q/K rows put back in litgpt's RoPE order, a row permutation that leaves blocks
+whole; q, k and v fused into litgpt's qkv when they share a format); every other tensor (norms, the
+embedding, the head, F16/BF16 and formats without a kernel) is dequantized to float32 as `gguf_convert`
+does. The tokenizer and chat template come from the file's metadata. `gguf` and `tokenizers` are imported
+only here.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import gguf
+import litgpt
+import numpy as np
+import torch
+
+from thunder_batch import gguf_convert, quantized
+from thunder_batch.gguf_convert import _BLOCK_MAP, _GLOBAL_MAP, read_field, unpermute_rope_rows
+
+
+def load_gguf(path: Path | str, dtype: torch.dtype = torch.float32, device="cpu", model_name: str | None = None):
+    """(GPT, litgpt Tokenizer, Config) from a GGUF file. float32 keeps the quantized linears quantized; another
+    dtype dequantizes every tensor (quantized linears run float32 activations only)."""
+    from thunder_batch.text_encoding import TextEncoder
+
+    path = Path(path)
+    reader = gguf.GGUFReader(path)
+    gguf_convert.check_architecture(reader, path)
+    config = config_for(reader, path, model_name)
+    state, kinds = quantized_state(reader, config, keep=dtype == torch.float32)
+    model = _build(config, kinds, state, device)
+    model = model.to(dtype=dtype).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        files = Path(tmp) / config.name  # litgpt keys BOS handling on the dir's name
+        files.mkdir()
+        gguf_convert.build_tokenizer(reader).save(str(files / "tokenizer.json"))
+        gguf_convert._write_json(files / "tokenizer_config.json", gguf_convert.tokenizer_config(reader, config))
+        gguf_convert._write_json(files / "generation_config.json", gguf_convert.generation_config(reader))
+        tokenizer = litgpt.Tokenizer(files)
+        tokenizer.text_encoder = TextEncoder.for_checkpoint(files, tokenizer)
+    return model, tokenizer, config
+
+
+def config_for(reader, path: Path, model_name: str | None = None) -> litgpt.Config:
+    """litgpt's config named `model_name`, else the one the file's name or general.name names, when it matches the
+    file's hyperparameters; else a llama config built from them (named after general.name or the file)."""
+    names = [model_name, path.name.split(".")[0], read_field(reader, "general.name")]
+    for name in filter(None, names):
+        try:
+            config = litgpt.Config.from_name(name)
+        except ValueError:
+            continue
+        if name == model_name:
+            gguf_convert.check_config_matches(reader, config)
+            return config
+        try:
+            gguf_convert.check_config_matches(reader, config)
+            return config
+        except ValueError:
+            continue
+    return _config_from_metadata(reader, names[2] or names[1])
+
+
+def _config_from_metadata(reader, name: str) -> litgpt.Config:
+    def stored(key: str, default=None):
+        return read_field(reader, f"{gguf_convert.SUPPORTED_ARCH}.{key}", default)
+
+    n_head, n_embd = stored("attention.head_count"), stored("embedding_length")
+    head_size = stored("attention.key_length", n_embd // n_head)
+    vocab = stored("vocab_size") or len(read_field(reader, "tokenizer.ggml.tokens", []))
+    config = litgpt.Config(
+        name=name,
+        block_size=stored("context_length"),
+        vocab_size=vocab,
+        padded_vocab_size=vocab,
+        n_layer=stored("block_count"),
+        n_embd=n_embd,
+        n_head=n_head,
+        head_size=head_size,
+        n_query_groups=stored("attention.head_count_kv", n_head),
+        intermediate_size=stored("feed_forward_length"),
+        rope_base=stored("rope.freq_base", 10000.0),
+        rotary_percentage=stored("rope.dimension_count", head_size) / head_size,
+        norm_eps=stored("attention.layer_norm_rms_epsilon"),
+        bias=False,
+        parallel_residual=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+    )
+    gguf_convert.check_config_matches(reader, config)
+    return config
+
+
+def quantized_state(reader, config: litgpt.Config, keep: bool = True) -> tuple[dict, dict[str, int]]:
+    """(litgpt state dict, {linear's module path: ggml type}): a kept linear's entry is its bytes, uint8 [out,
+    row bytes]; every other tensor float32."""
+    state: dict[str, torch.Tensor] = {}
+    kinds: dict[str, int] = {}
+    qkv: dict[int, dict[str, tuple]] = defaultdict(dict)
+    for t in reader.tensors:
+        block = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
+        if t.name in _GLOBAL_MAP:
+            state[_GLOBAL_MAP[t.name]] = gguf_convert._dequantize(t)
+        elif block and block[2] in ("attn_q", "attn_k", "attn_v"):
+            qkv[int(block[1])][block[2]] = _tensor(t, keep)
+        elif block and block[2] in _BLOCK_MAP:
+            key = f"transformer.h.{block[1]}.{_BLOCK_MAP[block[2]]}"
+            state[f"{key}.weight"], kind = _tensor(t, keep)
+            if kind is not None:
+                kinds[key] = kind
+        else:
+            raise ValueError(f"GGUF tensor {t.name!r} has no litgpt counterpart in this loader")
+    for i, parts in qkv.items():
+        _fuse_qkv(i, parts, config, state, kinds)
+    state.setdefault("lm_head.weight", state["transformer.wte.weight"])
+    return state, kinds
+
+
+def _tensor(t, keep: bool) -> tuple[torch.Tensor, int | None]:
+    """A GGUF tensor as (its bytes [out, row bytes], ggml type) where kept quantized, else (float32, None)."""
+    kind = int(t.tensor_type)
+    if keep and kind in quantized.FORMAT_NAMES:
+        return torch.from_numpy(np.array(t.data, dtype=np.uint8)), kind  # copied out of the memory map
+    return gguf_convert._dequantize(t), None
+
+
+def _fuse_qkv(i: int, parts: dict[str, tuple], config, state: dict, kinds: dict) -> None:
+    if len(parts) != 3:
+        raise ValueError(f"block {i} lacks one of attn_q/attn_k/attn_v: found {sorted(parts)}")
+    kind_set = {kind for _, kind in parts.values()}
+    if len(kind_set) != 1:  # formats differ (a Q4_K_M file's Q6_K attn_v): one float32 qkv
+        parts = {name: (_as_float(w, kind, config.n_embd), None) for name, (w, kind) in parts.items()}
+        kind_set = {None}
+    q = unpermute_rope_rows(parts["attn_q"][0], config.n_head)  # [H*D, C or row bytes]
+    k = unpermute_rope_rows(parts["attn_k"][0], config.n_query_groups)
+    key = f"transformer.h.{i}.attn.qkv"
+    state[f"{key}.weight"] = torch.cat((q, k, parts["attn_v"][0]))  # litgpt's cat(q, k, v)
+    if (kind := kind_set.pop()) is not None:
+        kinds[key] = kind
+
+
+def _as_float(w: torch.Tensor, kind: int | None, in_features: int) -> torch.Tensor:
+    return w if kind is None else quantized.dequantize(w, kind, in_features)
+
+
+def _build(config: litgpt.Config, kinds: dict[str, int], state: dict, device) -> litgpt.GPT:
+    """The GPT with a QuantizedLinear at each path of `kinds`, its tensors loaded from `state` (strict)."""
+    with torch.device("meta"):
+        model = litgpt.GPT(config)
+        for path, kind in kinds.items():
+            parent_name, _, leaf = path.rpartition(".")
+            linear = model.get_submodule(path)
+            weight = torch.empty(state[f"{path}.weight"].shape, dtype=torch.uint8)
+            bias = None if linear.bias is None else torch.empty(linear.out_features)
+            setattr(
+                model.get_submodule(parent_name),
+                leaf,
+                quantized.QuantizedLinear(linear.in_features, linear.out_features, kind, weight, bias),
+            )
+    model.to_empty(device=device)
+    model.load_state_dict(state, strict=True)
+    model.reset_parameters()  # litgpt's hook: the RoPE cos/sin buffers left empty by to_empty
+    return model
