@@ -17,22 +17,6 @@ why_not = quantized.quantized_kernels()
 pytestmark = pytest.mark.skipif(why_not is not None, reason=f"no native kernels: {why_not}")
 
 ROWS = [1, 2, 3, 5, 8, 9, 16, 17, 33, 64]  # decode rows, both sides of the register path's 16, prompt lanes
-K_SCALES = {"q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}  # byte offsets of a K-quant block's float16 scales
-
-
-def random_blocks(name: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
-    """uint8 [out, row bytes] of format `name`: the gguf package's quantization of random weights, or (K-quants,
-    which it cannot make) random bytes with small finite float16 scales."""
-    rng = np.random.default_rng(seed)
-    kind = gguf.GGMLQuantizationType(quantized.FORMATS[name])
-    if name in quantized.QUANTIZABLE:
-        return gguf.quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), kind)
-    weights, nbytes = gguf.GGML_QUANT_SIZES[kind]
-    blocks = rng.integers(0, 256, (out_features, in_features // weights, nbytes), dtype=np.uint8)
-    for offset in K_SCALES[name]:
-        scales = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)
-        blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
-    return blocks.reshape(out_features, -1)
 
 
 def shape_for(name: str) -> tuple[int, int]:
@@ -43,7 +27,7 @@ def shape_for(name: str) -> tuple[int, int]:
 @pytest.mark.parametrize("name", list(quantized.FORMATS))
 def test_dequantize_is_the_gguf_packages_bit_for_bit(name):
     out_features, in_features = shape_for(name)
-    blocks = random_blocks(name, out_features, in_features)
+    blocks = quantized.random_blocks(name, out_features, in_features)
     expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(quantized.FORMATS[name]))
     got = quantized.dequantize(torch.from_numpy(blocks), quantized.FORMATS[name], in_features)
     assert got.shape == (out_features, in_features)
@@ -53,7 +37,7 @@ def test_dequantize_is_the_gguf_packages_bit_for_bit(name):
 @pytest.mark.parametrize("name", list(quantized.FORMATS))
 def test_kernel_is_a_float32_matmul_on_the_dequantized_weights(name):
     out_features, in_features = shape_for(name)
-    blocks = torch.from_numpy(random_blocks(name, out_features, in_features, seed=1))
+    blocks = torch.from_numpy(quantized.random_blocks(name, out_features, in_features, seed=1))
     dense = torch.from_numpy(
         gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(quantized.FORMATS[name]))
     ).reshape(out_features, in_features)

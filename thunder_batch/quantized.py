@@ -153,3 +153,23 @@ def check_quantized(gpt, config) -> None:
         raise ValueError("quantized linears run on the project's executor: add 'thunder_batch' to executors")
     if (why := quantized_kernels()) is not None:
         raise ValueError(f"quantized linears need the native kernels: {why}")
+
+
+K_SCALES = {"q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}  # byte offsets of a K-quant block's float16 scales
+
+
+def random_blocks(name: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """uint8 [out, row bytes] of format `name`: the gguf package's quantization of random weights, or (K-quants,
+    which it cannot make) random bytes with small finite float16 scales."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    kind = gguf.GGMLQuantizationType(FORMATS[name])
+    if name in QUANTIZABLE:
+        return gguf.quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), kind)
+    weights, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, (out_features, in_features // weights, nbytes), dtype=np.uint8)
+    for offset in K_SCALES[name]:
+        scales = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(out_features, -1)
