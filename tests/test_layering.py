@@ -22,7 +22,7 @@ LAYERS = [
     (
         "torch",
         ["_compat", "index_ops", "kv_cache", "moe", "model", "sampler", "program", "checkpoints", "gguf_convert"]
-        + ["native", "weights", "quantized", "gguf_load"],
+        + ["native", "weights", "quantized", "gguf_load", "gguf_write"],
     ),
     ("thunder", ["compile"]),
     ("runner", ["runner"]),

@@ -5,12 +5,13 @@ model quantized as it loads) gives the same greedy tokens as its oracles."""
 from __future__ import annotations
 
 import gguf
+import litgpt
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from thunder_batch import Engine, EngineConfig, SamplingParams, quantized
+from thunder_batch import Engine, EngineConfig, SamplingParams, gguf_load, gguf_write, quantized
 from thunder_batch.checkpoints import bundled_gguf_path, default_checkpoint_dir, load_checkpoint
 
 why_not = quantized.quantized_kernels()
@@ -89,7 +90,7 @@ def test_compiled_quantized_model_equals_eager():
         model, tokenizer, _ = load_checkpoint(default_checkpoint_dir())
         config = EngineConfig(batch_size=4, max_seq_length=256, compile=mode, quantization="q4_0")
         engine = Engine(model, config, tokenizer)
-        assert sum(isinstance(m, quantized.QuantizedLinear) for m in model.modules()) == 5 * model.config.n_layer
+        assert sum(isinstance(m, quantized.QuantizedLinear) for m in model.modules()) == 5 * model.config.n_layer + 1
         ids[mode] = greedy_ids(engine)
     assert ids["thunder"] == ids["eager"]
     assert len(ids["thunder"][0]) == len(ids["thunder"][1]) == 16  # the chat prompt may end at its stop token
@@ -99,12 +100,64 @@ def test_gguf_file_kept_quantized_gives_the_dequantized_checkpoints_tokens():
     """The bundled Q4_1 file loads with its block linears as the file's own bytes (a quarter of float32's memory
     and less), and the compiled engine's greedy tokens equal the engine's on the same file dequantized to float32."""
     engine = Engine.from_checkpoint(bundled_gguf_path(), EngineConfig(batch_size=4, max_seq_length=256))
-    layers = [m for m in engine.model.modules() if isinstance(m, quantized.QuantizedLinear)]
+    layers = [m for m in engine.model.transformer.h.modules() if isinstance(m, quantized.QuantizedLinear)]
     assert len(layers) == 5 * engine.model.config.n_layer
     assert {quantized.FORMAT_NAMES[m.ggml_type] for m in layers} == {"q4_1"}
+    assert quantized.FORMAT_NAMES[engine.model.lm_head.ggml_type] == "q8_0"  # tied: the embedding's blocks
     reader = gguf.GGUFReader(bundled_gguf_path())
+    tensors = {t.name: t for t in reader.tensors}
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk.") and t.name.endswith("weight"))
     norm_bytes = sum(4 * int(t.n_elements) for t in reader.tensors if t.name.startswith("blk.") and "norm" in t.name)
     assert sum(m.weight.numel() for m in layers) == file_bytes - norm_bytes
+    assert engine.model.lm_head.weight.numel() == int(tensors["token_embd.weight"].n_bytes)
     dense = Engine.from_checkpoint(default_checkpoint_dir(), EngineConfig(batch_size=4, max_seq_length=256))
     assert greedy_ids(engine) == greedy_ids(dense)
+
+
+def tiny_llama(**overrides) -> litgpt.GPT:
+    """A 2-layer llama with the bundled file's vocabulary (its tokenizer is copied into written files)."""
+    fields = dict(name="tiny-llama-test", block_size=256, vocab_size=49152, padded_vocab_size=49152, n_layer=2)
+    fields |= dict(n_embd=64, n_head=4, n_query_groups=2, intermediate_size=96, bias=False, rope_base=10000)
+    fields |= dict(norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", parallel_residual=False)
+    torch.manual_seed(0)
+    return litgpt.GPT(litgpt.Config(**(fields | overrides))).eval()
+
+
+@pytest.mark.parametrize("file_format", ["q8_0", "q4_0", "f32"])
+def test_a_written_gguf_loads_back_as_the_same_model(tmp_path, file_format):
+    """gguf_write (what the bench gives llama.cpp) and gguf_load (what the engine reads) are inverses: the same
+    blocks (Q/K rows permuted on the way out and back), norms and embedding, and the same greedy tokens."""
+    model = tiny_llama()
+    if file_format != "f32":
+        quantized.quantize_model(model, file_format)
+    path = gguf_write.write_gguf(model, tmp_path / "tiny.gguf", file_format)
+    loaded, tokenizer, config = gguf_load.load_gguf(path)
+    assert config.name == "tiny-llama-test" and config.n_query_groups == 2
+    assert model.state_dict().keys() == loaded.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+    ids = {}
+    for gpt in (model, loaded):
+        engine = Engine(gpt, EngineConfig(batch_size=2, max_seq_length=64, compile="eager"), tokenizer)
+        ids[id(gpt)] = [r.token_ids for r in engine.generate([[5, 6, 7], [9, 10]], SamplingParams(12, temperature=0))]
+    assert ids[id(model)] == ids[id(loaded)] and len(ids[id(model)][0]) == 12
+
+
+def test_update_weights_reaches_quantized_blocks_and_leaves_the_file_alone(tmp_path):
+    """New blocks through Engine.update_weights reach the compiled step (its tokens become those of an eager engine
+    on the new blocks), and blocks loaded from a file are its pages copy-on-write: the file is not written."""
+    path = gguf_write.write_gguf(tiny_llama(), tmp_path / "tiny.gguf", "q8_0")
+    file_bytes = path.read_bytes()
+    loaded, tokenizer, _ = gguf_load.load_gguf(path)
+    engine = Engine(loaded, EngineConfig(batch_size=2, max_seq_length=64), tokenizer)
+    prompts, params = [[5, 6, 7], [9, 10]], SamplingParams(8, temperature=0)
+    before = [r.token_ids for r in engine.generate(prompts, params)]
+    name = "transformer.h.1.mlp.proj.weight"
+    layer = loaded.get_submodule(name.removesuffix(".weight"))
+    new = torch.from_numpy(quantized.random_blocks("q8_0", layer.out_features, layer.in_features, seed=7))
+    engine.update_weights({name: new, "lm_head.weight": torch.flip(loaded.lm_head.weight, dims=[0])})
+    after = [r.token_ids for r in engine.generate(prompts, params)]
+    oracle = Engine(loaded, EngineConfig(batch_size=2, max_seq_length=64, compile="eager"), tokenizer)
+    assert after == [r.token_ids for r in oracle.generate(prompts, params)]
+    assert after != before
+    assert torch.equal(layer.weight, new) and path.read_bytes() == file_bytes

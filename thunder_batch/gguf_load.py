@@ -1,11 +1,11 @@
 """Load a llama-architecture GGUF file (llama.cpp's) straight into a litgpt GPT, its linears kept quantized.
 
-Each block linear stored in a format with a native kernel (quantized.FORMATS) becomes a QuantizedLinear
-holding the file's bytes (Q/K rows put back in litgpt's RoPE order, a row permutation that leaves blocks
-whole; q, k and v fused into litgpt's qkv when they share a format); every other tensor (norms, the
-embedding, the head, F16/BF16 and formats without a kernel) is dequantized to float32 as `gguf_convert`
-does. The tokenizer and chat template come from the file's metadata. `gguf` and `tokenizers` are imported
-only here.
+Each block linear and the head stored in a format with a native kernel (quantized.FORMATS) becomes a
+QuantizedLinear holding the file's bytes (Q/K rows put back in litgpt's RoPE order, a row permutation that
+leaves blocks whole; q, k and v fused into litgpt's qkv when they share a format; a head tied to the embedding
+takes the embedding's blocks); every other tensor (norms, the embedding, F16/BF16 and formats without a
+kernel) is dequantized to float32 as `gguf_convert` does. The tokenizer and chat template come from the file's
+metadata. `gguf` and `tokenizers` are imported only here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import gguf
 import litgpt
-import numpy as np
 import torch
 
 from thunder_batch import gguf_convert, quantized
@@ -30,7 +29,7 @@ def load_gguf(path: Path | str, dtype: torch.dtype = torch.float32, device="cpu"
     from thunder_batch.text_encoding import TextEncoder
 
     path = Path(path)
-    reader = gguf.GGUFReader(path)
+    reader = gguf.GGUFReader(path, mode="c")  # copy-on-write: kept blocks are the file's pages, writable
     gguf_convert.check_architecture(reader, path)
     config = config_for(reader, path, model_name)
     state, kinds = quantized_state(reader, config, keep=dtype == torch.float32)
@@ -103,9 +102,14 @@ def quantized_state(reader, config: litgpt.Config, keep: bool = True) -> tuple[d
     state: dict[str, torch.Tensor] = {}
     kinds: dict[str, int] = {}
     qkv: dict[int, dict[str, tuple]] = defaultdict(dict)
+    heads: dict[str, tuple] = {}
     for t in reader.tensors:
         block = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
-        if t.name in _GLOBAL_MAP:
+        if t.name == "output.weight" or t.name == "token_embd.weight":  # the head, or tied to the embedding
+            heads[t.name] = _tensor(t, keep)
+            if t.name == "token_embd.weight":
+                state["transformer.wte.weight"] = gguf_convert._dequantize(t)
+        elif t.name in _GLOBAL_MAP:
             state[_GLOBAL_MAP[t.name]] = gguf_convert._dequantize(t)
         elif block and block[2] in ("attn_q", "attn_k", "attn_v"):
             qkv[int(block[1])][block[2]] = _tensor(t, keep)
@@ -118,7 +122,11 @@ def quantized_state(reader, config: litgpt.Config, keep: bool = True) -> tuple[d
             raise ValueError(f"GGUF tensor {t.name!r} has no litgpt counterpart in this loader")
     for i, parts in qkv.items():
         _fuse_qkv(i, parts, config, state, kinds)
-    state.setdefault("lm_head.weight", state["transformer.wte.weight"])
+    # llama.cpp omits output.weight when the head is the embedding; the head keeps that tensor's format.
+    head, kind = heads.get("output.weight") or heads["token_embd.weight"]
+    state["lm_head.weight"] = head if kind is not None else _as_float(head, kind, config.n_embd)
+    if kind is not None:
+        kinds["lm_head"] = kind
     return state, kinds
 
 
@@ -126,7 +134,8 @@ def _tensor(t, keep: bool) -> tuple[torch.Tensor, int | None]:
     """A GGUF tensor as (its bytes [out, row bytes], ggml type) where kept quantized, else (float32, None)."""
     kind = int(t.tensor_type)
     if keep and kind in quantized.FORMAT_NAMES:
-        return torch.from_numpy(np.array(t.data, dtype=np.uint8)), kind  # copied out of the memory map
+        # The file's own pages (copy-on-write): resident once, as llama.cpp's mmap, and written only if edited.
+        return torch.from_numpy(t.data), kind
     return gguf_convert._dequantize(t), None
 
 
@@ -150,7 +159,8 @@ def _as_float(w: torch.Tensor, kind: int | None, in_features: int) -> torch.Tens
 
 
 def _build(config: litgpt.Config, kinds: dict[str, int], state: dict, device) -> litgpt.GPT:
-    """The GPT with a QuantizedLinear at each path of `kinds`, its tensors loaded from `state` (strict)."""
+    """The GPT with a QuantizedLinear at each path of `kinds`, its tensors `state`'s own (assigned, not copied:
+    strict, shapes checked)."""
     with torch.device("meta"):
         model = litgpt.GPT(config)
         for path, kind in kinds.items():
@@ -163,7 +173,6 @@ def _build(config: litgpt.Config, kinds: dict[str, int], state: dict, device) ->
                 leaf,
                 quantized.QuantizedLinear(linear.in_features, linear.out_features, kind, weight, bias),
             )
-    model.to_empty(device=device)
-    model.load_state_dict(state, strict=True)
-    model.reset_parameters()  # litgpt's hook: the RoPE cos/sin buffers left empty by to_empty
-    return model
+    model.load_state_dict(state, strict=True, assign=True)
+    model.cos, model.sin = model.rope_cache(device=torch.device("cpu"))  # litgpt's RoPE buffers, not in the state
+    return model.to(device)

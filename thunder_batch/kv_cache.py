@@ -45,7 +45,7 @@ class SlotKVCache(nn.Module):
 
 def slot_caches(gpt: nn.Module, batch_size: int, length: int) -> list[SlotKVCache]:
     """One SlotKVCache per layer of a litgpt GPT, in the model's dtype and device."""
-    cfg, weight = gpt.config, gpt.lm_head.weight
+    cfg, weight = gpt.config, gpt.transformer.wte.weight
     return [
         SlotKVCache(batch_size, cfg.n_query_groups, length, cfg.head_size, weight.dtype, weight.device)
         for _ in gpt.transformer.h

@@ -27,7 +27,7 @@ def rope_tables(gpt: nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor
     """litgpt's RoPE cos/sin for positions 0 .. length-1 ([length, n_elem] float32; [length, n_elem, 2],
     global and local, with rope_indices), computed afresh:
     a position's row does not depend on the table's length, and the model's own tables stay as they are."""
-    cos, sin = gpt.rope_cache(device=gpt.lm_head.weight.device)
+    cos, sin = gpt.rope_cache(device=gpt.transformer.wte.weight.device)
     return cos[:length].clone(), sin[:length].clone()
 
 
@@ -209,7 +209,7 @@ class StepProgram(nn.Module):
             self.heads = nn.ModuleDict({v: VerifyHead(gpt, plain) for v, plain in VERIFY_VARIANTS.items()})
             # Its shape puts the verify lane's length in the compile cache key (module_signature).
             self.register_buffer(
-                "verify_rows", torch.zeros(lane_len, device=gpt.lm_head.weight.device), persistent=False
+                "verify_rows", torch.zeros(lane_len, device=gpt.transformer.wte.weight.device), persistent=False
             )
         cache_shape = self.caches[0].k.shape
         self.prefix = StepPrefix(gpt, max_seq_length, cache_shape, lane_len)

@@ -6,8 +6,8 @@ which the project's Thunder executor claims and runs as the native kernel readin
 (native/quantized_linear.cpp: the same products, summed in another order). Activations stay float32.
 
 `quantize_model` turns a litgpt GPT's block linears into QuantizedLinears of one format with the `gguf`
-package's quantizers (those it has: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); GGUF files bring any of the formats above
-(gguf_convert.quantized_state). The embedding and the head stay float32.
+package's quantizers (those it has: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), the head too; GGUF files bring any of the formats
+above (gguf_load.quantized_state). The embedding stays float32 (a step reads only its rows).
 """
 
 from __future__ import annotations
@@ -116,20 +116,20 @@ def format_id(name: str, *, to_make: bool = False) -> int:
 
 @torch.no_grad()
 def quantize_model(gpt, name: str) -> int:
-    """Replaces each block's float32 linears by QuantizedLinears of format `name` (in place); returns how many.
-    Linears whose input width is not a multiple of the format's block stay float32."""
+    """Replaces each block's float32 linears and the head by QuantizedLinears of format `name` (in place); returns
+    how many. Linears whose input width is not a multiple of the format's block stay float32."""
     ggml_type = format_id(name, to_make=True)
-    if gpt.lm_head.weight.dtype != torch.float32:
-        raise ValueError(f"quantized linears run float32 activations; the model is {gpt.lm_head.weight.dtype}")
+    if gpt.transformer.wte.weight.dtype != torch.float32:
+        raise ValueError(f"quantized linears run float32 activations; the model is {gpt.transformer.wte.weight.dtype}")
+    paths = [f"transformer.h.{i}.{path}" for i in range(len(gpt.transformer.h)) for path in BLOCK_LINEARS]
     done = 0
-    for block in gpt.transformer.h:
-        for path in BLOCK_LINEARS:
-            parent_name, _, leaf = path.rpartition(".")
-            parent = block.get_submodule(parent_name)
-            linear = getattr(parent, leaf)
-            if type(linear) is nn.Linear and linear.in_features % block_size(ggml_type)[0] == 0:
-                setattr(parent, leaf, QuantizedLinear.from_linear(linear, ggml_type))
-                done += 1
+    for path in [*paths, "lm_head"]:
+        parent_name, _, leaf = path.rpartition(".")
+        parent = gpt.get_submodule(parent_name)
+        linear = getattr(parent, leaf)
+        if type(linear) is nn.Linear and linear.in_features % block_size(ggml_type)[0] == 0:
+            setattr(parent, leaf, QuantizedLinear.from_linear(linear, ggml_type))
+            done += 1
     return done
 
 
@@ -144,7 +144,7 @@ def check_quantized(gpt, config) -> None:
         quantize_model(gpt, config.quantization)
     if not is_quantized(gpt):
         return
-    device, dtype = gpt.lm_head.weight.device, gpt.lm_head.weight.dtype
+    device, dtype = gpt.transformer.wte.weight.device, gpt.transformer.wte.weight.dtype
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"quantized linears run on CPU with float32 activations; the model is {dtype} on {device}")
     if config.compile == "eager":

@@ -53,7 +53,7 @@ class Runner:
                 f"length (block_size {gpt.config.block_size})"
             )
         self.config = config
-        self.device = gpt.lm_head.weight.device
+        self.device = gpt.transformer.wte.weight.device
         self.gpt = gpt
         self.program = StepProgram(gpt, config.batch_size, config.max_seq_length, config.prefill_chunk)
         self.caches = list(self.program.caches)  # one SlotKVCache per layer

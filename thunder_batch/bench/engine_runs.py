@@ -186,7 +186,7 @@ def run_engine(gpt, workload: list[BenchRequest], system: str, batch_size: int, 
     )
     if ctx.profile:
         extra["profile"] = profile_decode_step(engine.probe_step, batch_size)
-    precision = str(gpt.lm_head.weight.dtype).removeprefix("torch.")
+    precision = str(gpt.transformer.wte.weight.dtype).removeprefix("torch.")
     print(
         f"[bench] {system} {precision} B={batch_size}: {sum(len(t.token_ids) for t in traces)} tokens in {wall:.1f}s",
         file=sys.stderr,

@@ -152,7 +152,7 @@ class ModelCost:
         params = {id(p): p for p in gpt.parameters()}.values()  # tied weights counted once
         return cls(
             linear,
-            gpt.lm_head.weight.numel(),
+            gpt.transformer.wte.weight.numel(),
             c.n_layer,
             c.n_head * c.head_size,
             c.n_query_groups * c.head_size,

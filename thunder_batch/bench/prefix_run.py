@@ -85,9 +85,9 @@ def run_prefix_benchmark(gpt, tokenizer, options: BenchOptions) -> dict:
         max_new_tokens=options.max_new_tokens,
         max_seq_length=base.max_seq_length,
         repeats=options.repeats,
-        precision=str(gpt.lm_head.weight.dtype).removeprefix("torch."),
+        precision=str(gpt.transformer.wte.weight.dtype).removeprefix("torch."),
         results=results,
-        meta=dict(machine_info(gpt.lm_head.weight.device), command=" ".join(sys.argv)),
+        meta=dict(machine_info(gpt.transformer.wte.weight.device), command=" ".join(sys.argv)),
     )
     print(json.dumps(_headline(summary), indent=1))
     if options.output_json:

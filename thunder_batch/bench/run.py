@@ -136,7 +136,7 @@ def skip_precision(run: tuple, options: BenchOptions, skipped: dict) -> bool:
 
 
 def precision_of(gpt) -> str:
-    return str(gpt.lm_head.weight.dtype).removeprefix("torch.")
+    return str(gpt.transformer.wte.weight.dtype).removeprefix("torch.")
 
 
 def converted_models(gpt, precisions: list[str]) -> dict:
@@ -166,7 +166,8 @@ def assemble(runs, models: dict, workload, ctx, options: BenchOptions, peaks, sk
 
     costs = {p: ModelCost.of(gpt) for p, gpt in models.items()}
     # K and V of one cache entry in every layer: a step reads L of them per slot (L its ladder rung).
-    kv_bytes = {p: 2 * c.n_layer * c.kv_width * models[p].lm_head.weight.element_size() for p, c in costs.items()}
+    element = {p: gpt.transformer.wte.weight.element_size() for p, gpt in models.items()}
+    kv_bytes = {p: 2 * c.n_layer * c.kv_width * element[p] for p, c in costs.items()}
     metrics = [report.run_metrics(r, costs[r.precision], peaks, kv_bytes[r.precision]) for r in runs]
     reference = report.check_all(runs, metrics)
     table, baseline = report.speedups(metrics)

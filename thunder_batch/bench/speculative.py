@@ -171,9 +171,9 @@ def run_speculative_benchmark(gpt, tokenizer, prompt_style, options: BenchOption
             dataset=options.dataset,
             num_requests=len(workload),
             max_new_tokens=options.max_new_tokens,
-            precision=str(gpt.lm_head.weight.dtype).removeprefix("torch."),
+            precision=str(gpt.transformer.wte.weight.dtype).removeprefix("torch."),
             results=rows,
-            meta=dict(machine_info(gpt.lm_head.weight.device), command=" ".join(sys.argv)),
+            meta=dict(machine_info(gpt.transformer.wte.weight.device), command=" ".join(sys.argv)),
         )
         write_json(summary, options.output_json)
     return rows

@@ -45,7 +45,7 @@ class BenchContext:
     def from_options(cls, gpt, tokenizer, options: BenchOptions, max_seq_length: int) -> BenchContext:
         """The context of one `thunder-batch bench` run (thunder_batch/cli/bench.py) from its options."""
         return cls(
-            device=gpt.lm_head.weight.device,
+            device=gpt.transformer.wte.weight.device,
             max_seq_length=max_seq_length,
             prefill_chunk=min(options.prefill_chunk, max_seq_length),
             prefill_lanes=options.prefill_lanes,

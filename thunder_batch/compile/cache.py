@@ -131,7 +131,7 @@ def make_key(program, config, executors: tuple[str, ...], options: dict) -> Cach
     program and executor list: hashing the module and the sources is not free."""
     from thunder_batch.compile.provenance import codegen, source_digest
 
-    weight = program.prefix.gpt.lm_head.weight
+    weight = program.prefix.gpt.transformer.wte.weight
     return CacheKey(
         piece="",
         signature="",

@@ -30,18 +30,18 @@ using quant::granule_at;
 constexpr int64_t kDirectRows = 16;
 
 template <class F>
-QAVX2 inline int64_t row_bytes(int64_t I) {
+QAVX2 QINLINE int64_t row_bytes(int64_t I) {
   return I / F::kElems * F::kBytes;
 }
 
-QAVX2 inline float hsum(__m256 v) {
+QAVX2 QINLINE float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
 }
 
-// R rows of x [R, I] against one quantized row: y[r * ldy] = x[r] . w. A accumulators a row keep at least
-// four FMA chains going at one row.
+// R rows of x [R, I] against one quantized row: y[r * ldy] = x[r] . w. A accumulators a row keep at least four FMA
+// chains going at one row.
 template <class F, int R>
 QAVX2 void row_dots(const float* x, int64_t I, const uint8_t* w, float* y, int64_t ldy) {
   constexpr int A = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
@@ -64,27 +64,35 @@ QAVX2 void row_dots(const float* x, int64_t I, const uint8_t* w, float* y, int64
   }
 }
 
-// Output rows [o0, o1) for every row of x [M <= kDirectRows, I], in passes of at most 8 rows.
+// Every row of x [M, I] against one quantized row w, into y[m * O], in passes of at most 8 rows, as even as they go
+// (packed::even_passes).
+template <class F>
+QAVX2 void row_passes(const float* x, int64_t M, int64_t I, const uint8_t* w, float* y, int64_t O) {
+  const int64_t passes = (M + 7) / 8;
+  for (int64_t p = 0, m = 0; p < passes; ++p) {
+    const int64_t rows = M / passes + (p < M % passes);
+    const float* xm = x + m * I;
+    float* ym = y + m * O;
+    m += rows;
+    switch (rows) {
+      case 8: row_dots<F, 8>(xm, I, w, ym, O); break;
+      case 7: row_dots<F, 7>(xm, I, w, ym, O); break;
+      case 6: row_dots<F, 6>(xm, I, w, ym, O); break;
+      case 5: row_dots<F, 5>(xm, I, w, ym, O); break;
+      case 4: row_dots<F, 4>(xm, I, w, ym, O); break;
+      case 3: row_dots<F, 3>(xm, I, w, ym, O); break;
+      case 2: row_dots<F, 2>(xm, I, w, ym, O); break;
+      default: row_dots<F, 1>(xm, I, w, ym, O);
+    }
+  }
+}
+
+// Output rows [o0, o1) for every row of x [M <= kDirectRows, I]. Each pass of up to 8 rows widens the row's
+// granules again: a row widened once into L1 and read back by every pass measured slower (RESULTS.md).
 template <class F>
 QAVX2 void direct_rows(const float* x, int64_t M, int64_t I, const uint8_t* w, int64_t o0, int64_t o1, float* y,
                        int64_t O) {
-  const int64_t stride = row_bytes<F>(I);
-  for (int64_t o = o0; o < o1; ++o)
-    packed::even_passes(M, 8, [&](int64_t m, int64_t rows) {
-      const float* xm = x + m * I;
-      const uint8_t* wo = w + o * stride;
-      float* ym = y + m * O + o;
-      switch (rows) {
-        case 8: return row_dots<F, 8>(xm, I, wo, ym, O);
-        case 7: return row_dots<F, 7>(xm, I, wo, ym, O);
-        case 6: return row_dots<F, 6>(xm, I, wo, ym, O);
-        case 5: return row_dots<F, 5>(xm, I, wo, ym, O);
-        case 4: return row_dots<F, 4>(xm, I, wo, ym, O);
-        case 3: return row_dots<F, 3>(xm, I, wo, ym, O);
-        case 2: return row_dots<F, 2>(xm, I, wo, ym, O);
-        default: return row_dots<F, 1>(xm, I, wo, ym, O);
-      }
-    });
+  for (int64_t o = o0; o < o1; ++o) row_passes<F>(x, M, I, w + o * row_bytes<F>(I), y + o, O);
 }
 
 // Rows [o0, o0 + 16) of w (those below O) widened into `block` [I, 16], the packed float32 layout.

@@ -1,0 +1,138 @@
+"""The engine and llama.cpp on the same quantized GGUF file of a 1-8B-shaped model with random weights.
+
+For each format: a litgpt config (default SmolLM2-1.7B-Instruct) with random weights is quantized with the `gguf`
+package and written as a GGUF (thunder_batch.gguf_write; decode cost does not depend on the values). Then, each in
+its own process (so peak RSS is that run's own):
+- the engine loads the file (its linears kept quantized) and runs B fresh 64-token prompts, 32 new tokens each, all
+  at once (prefix reuse off, EOS ignored), after a warm-up that compiles every step shape; decode ms per step from
+  the same prompts with 1 and with 32 new tokens; pp512: one 512-token prompt, 1 new token;
+- llama.cpp: `llama-batched-bench` (-npp 64 -ntg 32 -npl B) and `llama-bench -p 512 -n 0` on the same file.
+Output tok/s = B x new tokens / wall, prompt time included, both sides.
+
+    python benchmarks/quantized_vs_llama_cpp.py --llama_cpp_bin /path/to/llama.cpp/build/bin --formats q8_0,q4_0
+    python benchmarks/quantized_vs_llama_cpp.py --llama_cpp_bin ... --gguf FILE.gguf --batches 1,8,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENGINE_RUN = """
+import json, resource, sys, time, random
+import torch
+from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch.checkpoints import load_checkpoint
+path, batches, prompt, new = sys.argv[1], [int(b) for b in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
+model, tok, config = load_checkpoint(path)
+rng = random.Random(0)
+fresh = lambda n, length=prompt: [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+def wall(engine, prompts, new_tokens):
+    start = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    return time.perf_counter() - start
+out = {}
+for b in batches:
+    config = EngineConfig(batch_size=b, max_seq_length=prompt + new, prefix_reuse=False)  # llama.cpp: -c 4096
+    engine = Engine(model, config, tok)
+    wall(engine, fresh(b), new); wall(engine, fresh(b), 1)  # compiles every shape
+    full, first = wall(engine, fresh(b), new), wall(engine, fresh(b), 1)
+    out[b] = dict(output_tok_s=b * new / full, decode_ms=1000 * (full - first) / (new - 1))
+engine = Engine(model, EngineConfig(batch_size=1, max_seq_length=513, prefix_reuse=False), tok)
+wall(engine, fresh(1, 512), 1)
+out["pp512"] = 512 / min(wall(engine, fresh(1, 512), 1) for _ in range(2))
+out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+print("RESULT " + json.dumps(out))
+"""
+
+
+def write_file(model_name: str, file_format: str, folder: Path) -> Path:
+    import litgpt
+    import torch
+
+    from thunder_batch import gguf_write, quantized
+
+    path = folder / f"{model_name}.{file_format}.gguf"
+    if path.exists():
+        return path
+    torch.manual_seed(0)
+    model = litgpt.GPT(litgpt.Config.from_name(model_name)).eval()
+    start = time.perf_counter()
+    quantized.quantize_model(model, file_format)
+    print(f"quantized to {file_format} in {time.perf_counter() - start:.0f} s", flush=True)
+    gguf_write.write_gguf(model, path, file_format)
+    return path
+
+
+def run_engine(path: Path, batches: str, prompt: int, new: int) -> dict:
+    args = [sys.executable, "-c", ENGINE_RUN, str(path), batches, str(prompt), str(new)]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+
+
+# Runs a command and prints its peak resident memory (kB) on stderr: the peak of that command alone.
+PEAK = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); " + (
+    "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)"
+)
+
+
+def with_peak(cmd: list[str]) -> tuple[str, float]:
+    """(stdout, peak RSS in GB) of a command."""
+    done = subprocess.run([sys.executable, "-c", PEAK, *cmd], capture_output=True, text=True, check=True)
+    return done.stdout, int(re.search(r"PEAK (\d+)", done.stderr)[1]) / 1e6
+
+
+def run_llama_cpp(bin_dir: Path, path: Path, batches: str, prompt: int, new: int) -> dict:
+    """llama-batched-bench's rows per B, and llama-bench's pp512 tok/s, with 2 threads."""
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(path), "-c", "4096", "-b", "2048", "-ub", "512"]
+    cmd += ["-npp", str(prompt), "-ntg", str(new), "-npl", batches, "-t", "2"]
+    text, peak = with_peak(cmd)
+    out = {"peak_rss_gb": peak}
+    for row in re.findall(r"^\|\s*\d+\s*\|\s*\d+\s*\|.*$", text, re.MULTILINE):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        b, tg_seconds, total_seconds = int(cells[2]), float(cells[6]), float(cells[8])
+        out[b] = dict(output_tok_s=b * new / total_seconds, decode_ms=1000 * tg_seconds / new)
+    bench = [str(bin_dir / "llama-bench"), "-m", str(path), "-p", "512", "-n", "0", "-t", "2", "-r", "2", "-o", "json"]
+    out["pp512"] = json.loads(subprocess.run(bench, capture_output=True, text=True, check=True).stdout)[0]["avg_ts"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama_cpp_bin", type=Path, required=True)
+    parser.add_argument("--model", default="SmolLM2-1.7B-Instruct")
+    parser.add_argument("--formats", default="q8_0,q4_0")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--folder", type=Path, default=Path("/tmp/quantized_bench"))
+    parser.add_argument("--gguf", type=Path, help="an existing GGUF file to run instead (e.g. the bundled Q4_1 one)")
+    args = parser.parse_args()
+    args.folder.mkdir(parents=True, exist_ok=True)
+    files = {args.gguf.name: args.gguf} if args.gguf else {}
+    print("| format | B | engine output tok/s | llama.cpp | engine x | engine decode ms | llama.cpp decode ms |")
+    print("|---|---|---|---|---|---|---|")
+    for file_format in files or args.formats.split(","):
+        path = files.get(file_format) or write_file(args.model, file_format, args.folder)
+        engine = run_engine(path, args.batches, 64, 32)
+        peer = run_llama_cpp(args.llama_cpp_bin, path, args.batches, 64, 32)
+        for b in args.batches.split(","):
+            e, p = engine[b], peer[int(b)]
+            ratio = e["output_tok_s"] / p["output_tok_s"]
+            print(
+                f"| {file_format} | {b} | {e['output_tok_s']:.1f} | {p['output_tok_s']:.1f} | {ratio:.2f}x |"
+                f" {e['decode_ms']:.1f} | {p['decode_ms']:.1f} |"
+            )
+        print(
+            f"| {file_format} | pp512 | {engine['pp512']:.0f} | {peer['pp512']:.0f} | "
+            f"{engine['pp512'] / peer['pp512']:.2f}x | peak RSS engine {engine['peak_rss_gb']:.2f} GB | "
+            f"llama.cpp {peer['peak_rss_gb']:.2f} GB (file {path.stat().st_size / 1e9:.2f} GB) |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
