@@ -161,3 +161,16 @@ def test_update_weights_reaches_quantized_blocks_and_leaves_the_file_alone(tmp_p
     assert after == [r.token_ids for r in oracle.generate(prompts, params)]
     assert after != before
     assert torch.equal(layer.weight, new) and path.read_bytes() == file_bytes
+
+
+def test_random_weights_build_a_named_config_with_the_default_tokenizer():
+    """`--random_weights NAME` (every command's ModelOptions): a litgpt config at a real size, seeded, no download;
+    a config whose vocabulary the default tokenizer does not fit is refused by name before anything is built."""
+    from thunder_batch.cli.options import ModelOptions
+
+    model, tokenizer, config, _ = ModelOptions(random_weights="SmolLM2-135M-Instruct").load_model()
+    again, *_ = ModelOptions(random_weights="SmolLM2-135M-Instruct").load_model()
+    assert config.name == "SmolLM2-135M-Instruct" and tokenizer.vocab_size == 49152
+    assert torch.equal(model.transformer.h[0].mlp.proj.weight, again.transformer.h[0].mlp.proj.weight)
+    with pytest.raises(ValueError, match="TinyLlama-1.1B-Chat-v1.0 has 32000 tokens, fewer than"):
+        ModelOptions(random_weights="TinyLlama-1.1B-Chat-v1.0").load_model()

@@ -88,6 +88,23 @@ def _check_tokenizer_config(path: Path) -> None:
         raise ValueError(f"{str(path)!r} has no 'tokenizer_class' entry (litgpt's Tokenizer requires it)")
 
 
+def random_weights_model(name: str, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0):
+    """(GPT, tokenizer, config, tokenizer's checkpoint dir): litgpt's config `name` with random weights (litgpt's
+    init, seeded) and the default model's tokenizer: a real size to time with nothing downloaded (a step's cost
+    does not depend on the values). ValueError if the config's vocabulary is smaller than the tokenizer's."""
+    config = litgpt.Config.from_name(name)
+    checkpoint_dir = default_checkpoint_dir()
+    tokenizer = litgpt.Tokenizer(checkpoint_dir)
+    tokenizer.text_encoder = TextEncoder.for_checkpoint(checkpoint_dir, tokenizer)
+    if config.padded_vocab_size < tokenizer.vocab_size:
+        vocab = config.padded_vocab_size
+        raise ValueError(f"{name} has {vocab} tokens, fewer than the default tokenizer's {tokenizer.vocab_size}")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = litgpt.GPT(config)
+    return model.to(dtype=dtype).eval(), tokenizer, config, checkpoint_dir
+
+
 def load_checkpoint(
     checkpoint_dir: Path | str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> tuple[litgpt.GPT, litgpt.Tokenizer, litgpt.Config]:

