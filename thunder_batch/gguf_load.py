@@ -36,7 +36,7 @@ def load_gguf(path: Path | str, dtype: torch.dtype = torch.float32, device="cpu"
     model = _build(config, kinds, state, device)
     model = model.to(dtype=dtype).eval()
     with tempfile.TemporaryDirectory() as tmp:
-        files = Path(tmp) / config.name  # litgpt keys BOS handling on the dir's name
+        files = Path(tmp) / config.name.replace("/", "_")  # litgpt keys BOS handling on the dir's name
         files.mkdir()
         gguf_convert.build_tokenizer(reader).save(str(files / "tokenizer.json"))
         gguf_convert._write_json(files / "tokenizer_config.json", gguf_convert.tokenizer_config(reader, config))
@@ -55,14 +55,12 @@ def config_for(reader, path: Path, model_name: str | None = None) -> litgpt.Conf
             config = litgpt.Config.from_name(name)
         except ValueError:
             continue
-        if name == model_name:
-            gguf_convert.check_config_matches(reader, config)
-            return config
         try:
             gguf_convert.check_config_matches(reader, config)
             return config
         except ValueError:
-            continue
+            if name == model_name:  # asked for by name: its mismatch is the answer
+                raise
     return _config_from_metadata(reader, names[2] or names[1])
 
 
