@@ -145,7 +145,7 @@ class EngineConfig:
     speculative_tokens: int = 0
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 3
-    # Block linears as GGUF quantized blocks of this format (quantized.QUANTIZABLE: q8_0, q4_0, q4_1, q5_0, q5_1),
+    # Block linears and head as GGUF quantized blocks of this format (quantized.QUANTIZABLE: q8_0 ... q5_1),
     # made from the model's float32 weights when the engine is built (the model is changed in place); None: as
     # loaded (a GGUF file's quantized linears stay quantized either way). float32 activations, CPU.
     quantization: str | None = None
