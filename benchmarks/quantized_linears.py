@@ -11,11 +11,11 @@ fraction of the plain read bandwidth, and the speed against float32's packed ker
 from __future__ import annotations
 
 import argparse
-import time
 
 import litgpt
 import numpy as np
 import torch
+from linear_bandwidth import best  # benchmarks/ is the script's dir: on sys.path
 
 from thunder_batch import quantized
 from thunder_batch.bench.report import machine_info
@@ -29,13 +29,7 @@ def shapes(config: litgpt.Config) -> list[tuple[int, int]]:
 
 
 def best_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * min(times)
+    return 1000 * best(fn, reps)
 
 
 def layer_runs(config, layers: int, rows: int, formats: list[str]) -> dict:

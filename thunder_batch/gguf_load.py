@@ -104,9 +104,9 @@ def quantized_state(reader, config: litgpt.Config, keep: bool = True) -> tuple[d
     for t in reader.tensors:
         block = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
         if t.name == "output.weight" or t.name == "token_embd.weight":  # the head, or tied to the embedding
-            heads[t.name] = _tensor(t, keep)
-            if t.name == "token_embd.weight":
-                state["transformer.wte.weight"] = gguf_convert._dequantize(t)
+            heads[t.name] = weights, kind = _tensor(t, keep)
+            if t.name == "token_embd.weight":  # dequantized once: the head's float32 copy, if it is one, is a clone
+                state["transformer.wte.weight"] = weights.clone() if kind is None else gguf_convert._dequantize(t)
         elif t.name in _GLOBAL_MAP:
             state[_GLOBAL_MAP[t.name]] = gguf_convert._dequantize(t)
         elif block and block[2] in ("attn_q", "attn_k", "attn_v"):
@@ -121,8 +121,7 @@ def quantized_state(reader, config: litgpt.Config, keep: bool = True) -> tuple[d
     for i, parts in qkv.items():
         _fuse_qkv(i, parts, config, state, kinds)
     # llama.cpp omits output.weight when the head is the embedding; the head keeps that tensor's format.
-    head, kind = heads.get("output.weight") or heads["token_embd.weight"]
-    state["lm_head.weight"] = head if kind is not None else _as_float(head, kind, config.n_embd)
+    state["lm_head.weight"], kind = heads.get("output.weight") or heads["token_embd.weight"]
     if kind is not None:
         kinds["lm_head"] = kind
     return state, kinds
