@@ -415,26 +415,60 @@ def test_an_idle_worker_reads_a_burst_of_requests_together_and_a_busy_one_does_n
     import threading
 
     from thunder_batch.serve.loop import GATHER_S, TAKE_WAIT_S, EngineLoop
+    from thunder_batch.serve.shared_state import SharedState
 
-    def arriving(n: int, every_s: float) -> queue.Queue:
-        q = queue.Queue()
+    def arriving(n: int, every_s: float) -> tuple[queue.Queue, SharedState]:
+        q, state = queue.Queue(), SharedState(1, 1)
 
         def put():
             for i in range(n):
                 q.put((0, f"r{i}", 0.0, {"prompts": [[1, 2]]}))
+                state.announce_request()  # as an HTTP process does after its put
                 time.sleep(every_s)
 
         threading.Thread(target=put, daemon=True).start()
-        return q
+        return q, state.wait_for_request
 
     loop, window = EngineLoop(), 0.2  # a wide window here: arrivals on a loaded machine drift by ms
-    burst = loop._take_requests(arriving(6, window / 10), room=8, gather_s=window)
+    burst = loop._take_requests(*arriving(6, window / 10), room=8, gather_s=window)
     assert [uid for _, uid, _, _ in burst] == [f"r{i}" for i in range(6)]
-    capped = loop._take_requests(arriving(6, window / 10), room=4, gather_s=window)
+    capped = loop._take_requests(*arriving(6, window / 10), room=4, gather_s=window)
     assert len(capped) == 4  # never more than the engine has room for
-    busy = loop._take_requests(arriving(6, window / 10), room=8, gather_s=0.0)
+    busy = loop._take_requests(*arriving(6, window / 10), room=8, gather_s=0.0)
     assert [uid for _, uid, _, _ in busy] == ["r0"]
     start = time.perf_counter()
-    alone = loop._take_requests(arriving(1, 0.0), room=8, gather_s=window)
+    alone = loop._take_requests(*arriving(1, 0.0), room=8, gather_s=window)
     assert len(alone) == 1 and window <= time.perf_counter() - start < TAKE_WAIT_S + 2 * window
     assert GATHER_S <= 0.02  # what a lone request to an idle server waits at most
+
+
+def test_an_idle_worker_sleeps_until_a_request_is_announced_and_never_leaves_a_get_pending():
+    """Idle, the worker makes one non-blocking get per TAKE_WAIT_S (each a round trip to LitServe's manager
+    process), not one every few ms; an announced request is taken within milliseconds."""
+    import queue
+    import threading
+
+    from thunder_batch.serve.loop import TAKE_WAIT_S, EngineLoop
+    from thunder_batch.serve.shared_state import SharedState
+
+    class CountingQueue(queue.Queue):
+        def get(self, block=True, timeout=None):
+            assert not block, "a blocking get left pending would swallow a request if the worker died"
+            self.gets = getattr(self, "gets", 0) + 1
+            return super().get(block, timeout)
+
+    q, state, loop = CountingQueue(), SharedState(1, 1), EngineLoop()
+    start = time.perf_counter()
+    assert loop._take_requests(q, state.wait_for_request, room=8, gather_s=0.01) == []
+    assert time.perf_counter() - start >= 0.9 * TAKE_WAIT_S and q.gets <= 3  # polling every 5 ms made ~200
+
+    def announce_later():
+        time.sleep(0.3)
+        q.put((0, "r0", 0.0, {"prompts": [[1]]}))
+        state.announce_request()
+        announced.append(time.perf_counter())
+
+    announced, q.gets = [], 0
+    threading.Thread(target=announce_later, daemon=True).start()
+    [item] = loop._take_requests(q, state.wait_for_request, room=8, gather_s=0.0)
+    assert item[1] == "r0" and time.perf_counter() - announced[0] < 0.1 and q.gets <= 4

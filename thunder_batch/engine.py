@@ -276,7 +276,8 @@ class Engine:
         `prompt_tokens_computed` fed to the model, `prompt_tokens_reused` taken from a slot's cache),
         `prompt_tokens_looked_up` (those of the requests admitted with a prefix lookup: /metrics exports it and
         `prompt_tokens_reused` as vLLM's `prefix_cache_queries` / `prefix_cache_hits`),
-        `prefix_store_tokens` (tokens of the prefixes kept in host memory), `running` and `waiting` requests."""
+        `prefix_store_tokens` (tokens of the prefixes kept in host memory), `running` and `waiting` requests,
+        `kv_cache_tokens` (KV-cache entries the running requests hold, of batch_size x max_seq_length)."""
         computed, scheduler = self._counters["prompt_tokens"], self.scheduler
         return dict(
             self._counters,
@@ -287,6 +288,7 @@ class Engine:
             prefix_store_tokens=scheduler.store.tokens if scheduler.store is not None else 0,
             running=scheduler.num_running(),
             waiting=len(scheduler.waiting),
+            kv_cache_tokens=sum(r.num_cached for r in scheduler.slots if r is not None),
         )
 
     def stats(self) -> dict:

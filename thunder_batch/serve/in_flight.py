@@ -57,6 +57,7 @@ class Call:
         routes.state.add_in_flight(routes.http_index, choices)
         try:
             routes.request_queue.put((routes.response_queue_id, self.uid, time.monotonic(), payload))
+            routes.state.announce_request()  # after the put: the woken worker finds it there
         except Exception:
             self.done = True
             self.close()

@@ -8,7 +8,9 @@ Two tasks on the worker's event loop, each handing blocking work to a thread:
 - steps run back to back while requests are in flight. A failed step fails the requests in flight
   (500) and counts towards the worker's health; an unhealthy worker takes no new requests and probes
   itself with an empty step every PROBE_S until one succeeds.
-With nothing to do, the worker sleeps on an event: an idle server does not spin a core.
+With nothing to do, the worker sleeps: its step task on an event, its intake on the shared state's
+arrivals semaphore (see TAKE_WAIT_S). An idle server costs its processes ~0.03 CPU-seconds per 10 s, over
+half of it uvicorn's own 10 Hz tick (benchmarks/idle_server.py).
 """
 
 from __future__ import annotations
@@ -25,18 +27,23 @@ from litserve.utils import LitAPIStatus, LoopResponseType
 from thunder_batch.serve.shared_state import HEARTBEAT_S, MESSAGES_UID
 
 logger = logging.getLogger(__name__)
-IDLE_WAIT_S = 1.0  # an idle worker looks at its queue this often; a new request wakes it at once
+PROBE_S = 5.0  # an unhealthy, idle worker tries an empty step this often
+# An idle worker's step task sleeps on an event that every admission sets; the timeout only paces a
+# sick worker's probes.
+IDLE_WAIT_S = PROBE_S
+RETRY_S = 1.0  # intake retries this often after LitServe's queue failed it
 # A blocking get on LitServe's queue runs in its manager process: a get still pending there when this
 # worker stops or dies (SIGSTOP, SIGKILL, a deadlock) hands the next request to a process that never
-# claims it, and that request waits for its timeout. So a worker never leaves a get pending: it looks
-# with non-blocking gets every POLL_S (the window is one get's round trip) for up to TAKE_WAIT_S.
-TAKE_WAIT_S = 0.1
-POLL_S = 0.005
+# claims it, and that request waits for its timeout. So a worker never leaves a get pending: it makes
+# non-blocking gets, and between them sleeps on the shared state's arrivals semaphore (released once per
+# request put) for up to TAKE_WAIT_S. Idle, that is one get per TAKE_WAIT_S, not one per few ms; a worker
+# that dies asleep takes nothing with it, and a request whose wake-up went to a dead worker is found by
+# another at its next look.
+TAKE_WAIT_S = 1.0
 # An idle engine takes a burst of requests together: it waits this long for each next one, so 8 chats
 # sent at once are read in one wide first step, not in several narrow ones while the rest queue.
 GATHER_S = 0.01
 FULL_WAIT_S = 0.05  # a worker without room looks again this often (or when a step ends)
-PROBE_S = 5.0  # an unhealthy, idle worker tries an empty step this often
 
 
 class EngineLoop(ContinuousBatchingLoop):
@@ -69,10 +76,10 @@ class EngineLoop(ContinuousBatchingLoop):
             except (EOFError, OSError) as e:  # LitServe's queue manager is gone: /health says so
                 lit_api.state.set_worker(lit_api.index, queue_lost=1)
                 logger.error("LitServe's request queue is unreachable (%s); retrying", e)
-                await asyncio.sleep(IDLE_WAIT_S)
+                await asyncio.sleep(RETRY_S)
             except Exception:
                 logger.exception("request intake failed; retrying")
-                await asyncio.sleep(IDLE_WAIT_S)
+                await asyncio.sleep(RETRY_S)
 
     async def _intake(self, lit_api, request_queue, transport) -> None:
         wake, stepped = self._events()
@@ -83,7 +90,8 @@ class EngineLoop(ContinuousBatchingLoop):
                 await asyncio.wait_for(stepped.wait(), FULL_WAIT_S)
             return
         gather_s = 0.0 if lit_api.has_active_requests() else GATHER_S
-        items = await asyncio.to_thread(self._take_requests, request_queue, room, gather_s)
+        arrivals = lit_api.state.wait_for_request
+        items = await asyncio.to_thread(self._take_requests, request_queue, arrivals, room, gather_s)
         if not items:
             return
         claimed = {"event": "claimed", "worker": lit_api.index, "pid": os.getpid()}
@@ -95,24 +103,28 @@ class EngineLoop(ContinuousBatchingLoop):
             self._send(transport, await _on_engine_thread(lit_api, lit_api.admit, prepared))
         wake.set()
 
-    def _take_requests(self, request_queue, room: int, gather_s: float) -> list:
+    def _take_requests(self, request_queue, arrivals, room: int, gather_s: float) -> list:
         """Wait up to TAKE_WAIT_S for one request, then take others while there is room: those already
-        queued, and those arriving within gather_s of the last one."""
-        items, item = [], self._poll(request_queue, TAKE_WAIT_S)
+        queued, and those arriving within gather_s of the last one. arrivals(timeout_s) sleeps until a
+        request is announced (`SharedState.wait_for_request`)."""
+        items, item = [], self._poll(request_queue, arrivals, TAKE_WAIT_S)
         while item is not None:
             if len(item) == 4 and item[1] is not None:  # not LitServe's shutdown sentinel
                 items.append(item)
                 room -= _choices(item[3])
             if room <= 0:
                 break
-            item = self._poll(request_queue, gather_s)
+            item = self._poll(request_queue, arrivals, gather_s)
         return items
 
-    def _poll(self, request_queue, wait_s: float):
-        """The next request if one arrives within wait_s (0: only one already queued), else None."""
+    def _poll(self, request_queue, arrivals, wait_s: float):
+        """The next request if one arrives within wait_s (0: only one already queued), else None. A
+        wake-up that finds nothing (its request taken by another worker) sleeps again."""
         deadline = time.monotonic() + wait_s
-        while (item := self.get_request(request_queue, block=False)) is None and time.monotonic() < deadline:
-            time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+        while (item := self.get_request(request_queue, block=False)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not arrivals(left):
+                return None
         return item
 
     # -- steps ------------------------------------------------------------------------------------

@@ -100,6 +100,14 @@ def _gauges(state, model: str) -> bytes:
     gauge("num_requests_waiting", "Requests accepted and not yet in a slot", [("", max(in_flight - running, 0))])
     gauge("num_requests_in_flight", "Requests accepted and not yet finished", [("", in_flight)])
     gauge(
+        "num_slots",
+        "Slots of every worker's engine (a running request holds one)",
+        [("", sum(w.slots for w in workers))],
+    )
+    capacity = sum(w.kv_capacity for w in workers)
+    usage = sum(w.kv_tokens for w in workers) / capacity if capacity else 0.0
+    gauge("kv_cache_usage_perc", "KV-cache entries running requests hold, as a fraction (1 = full)", [("", usage)])
+    gauge(
         "worker_healthy",
         "1 when the worker can serve",
         [(f',worker="{w.index}"', int(w.problem() is None)) for w in workers],

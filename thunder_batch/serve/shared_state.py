@@ -5,7 +5,9 @@
 - per HTTP process: its pid and the requests (choices) it accepted and has not finished (backpressure,
   drain); the count of a process that died is not counted;
 - per worker: its engine counters as JSON (what /stats shows, without a round trip to a busy worker);
-- whether the server is draining.
+- whether the server is draining;
+- a semaphore each HTTP process releases once per request it puts in LitServe's queue, so an idle
+  worker sleeps in the kernel until one arrives instead of polling the queue's manager process.
 Made in the main process before any child starts: the spawned workers receive it pickled with the
 LitAPI, the forked HTTP processes inherit it. Each row has one writer, so no lock is needed.
 """
@@ -22,7 +24,18 @@ UNHEALTHY_AFTER_FAILED_STEPS = 3
 # A worker sends its messages for one HTTP process as one batch under this uid (one round trip through
 # LitServe's queue per step, not one per token); the HTTP process hands each to its request.
 MESSAGES_UID = "thunder-batch:messages"
-_FIELDS = ("pid", "ready", "failed_steps", "queue_lost", "running", "waiting", "beat_ms")
+_FIELDS = (
+    "pid",
+    "ready",
+    "failed_steps",
+    "queue_lost",
+    "running",
+    "waiting",
+    "beat_ms",
+    "slots",
+    "kv_tokens",
+    "kv_capacity",
+)
 HEARTBEAT_S = 1.0  # a ready worker's event loop writes beat_ms this often
 _STATS_BYTES = 1 << 16  # room for one worker's counters as JSON
 
@@ -37,6 +50,9 @@ class WorkerStatus:
     running: int
     waiting: int
     beat_ms: int = 0  # time.monotonic() in ms of its event loop's last heartbeat
+    slots: int = 0  # its engine's batch size
+    kv_tokens: int = 0  # KV-cache entries its running requests hold
+    kv_capacity: int = 0  # KV-cache entries of all its slots
 
     @property
     def alive(self) -> bool:
@@ -70,6 +86,8 @@ class SharedState:
         self._stopping = mp.RawValue("b", 0)
         self._stats = mp.RawArray("c", workers * _STATS_BYTES)
         self._stats_seq = mp.RawArray("q", workers)  # odd while its writer is writing
+        # one release per request put in the queue; spawn-made, so the spawned workers can receive it
+        self._arrivals = mp.get_context("spawn").Semaphore(0)
 
     # -- workers (each writes its own row) -------------------------------------------------------
     def set_worker(self, index: int, **fields) -> None:
@@ -88,6 +106,9 @@ class SharedState:
             values["running"],
             values["waiting"],
             values["beat_ms"],
+            values["slots"],
+            values["kv_tokens"],
+            values["kv_capacity"],
         )
 
     def beat(self, index: int) -> None:
@@ -129,6 +150,15 @@ class SharedState:
         """Choices accepted by every live HTTP process and not yet finished (a dead one's count is gone with it)."""
         rows = zip(self._in_flight, self._http_pids)
         return sum(count for count, pid in rows if count and (pid == os.getpid() or process_alive(pid)))
+
+    # -- arrivals: a wake-up call per request, not a claim on it (the queue still decides who takes it) --
+    def announce_request(self) -> None:
+        self._arrivals.release()
+
+    def wait_for_request(self, timeout_s: float) -> bool:
+        """Sleep until a request was announced (True) or timeout_s passed (False). A worker that dies
+        after waking leaves the request in the queue: another takes it at its next look."""
+        return self._arrivals.acquire(timeout=max(timeout_s, 0.0))
 
     # -- draining (the main process writes it) ---------------------------------------------------
     @property

@@ -102,6 +102,8 @@ class EngineAPI(ls.LitAPI):
         engine.observers.add(self._time_step)
         self._report()
         self.state.beat(self.index)
+        capacity = engine.config.batch_size * engine.config.max_seq_length
+        self.state.set_worker(self.index, slots=engine.config.batch_size, kv_capacity=capacity)
         self.state.set_worker(self.index, pid=os.getpid(), ready=1)
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -269,7 +271,8 @@ class EngineAPI(ls.LitAPI):
 
     def _report(self) -> None:
         counters = self.engine.counters()
-        self.state.set_worker(self.index, running=counters["running"], waiting=counters["waiting"])
+        running, waiting, kv_tokens = counters["running"], counters["waiting"], counters["kv_cache_tokens"]
+        self.state.set_worker(self.index, running=running, waiting=waiting, kv_tokens=kv_tokens)
         self.metrics.count_prefix_cache(counters["prompt_tokens_looked_up"], counters["prompt_tokens_reused"])
         self._publish()
 
