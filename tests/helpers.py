@@ -66,7 +66,8 @@ FAMILY_CONFIGS = {
 def tiny_config(family: str, **overrides) -> Config:
     spec = dict(FAMILY_CONFIGS[family])
     name = spec.pop("name")
-    spec.update(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB, **overrides)
+    spec.update(block_size=BLOCK, vocab_size=VOCAB, padded_vocab_size=VOCAB)
+    spec.update(overrides)
     return Config.from_name(name, **spec)
 
 

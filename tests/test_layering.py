@@ -17,12 +17,13 @@ LAYERS = [
     (
         "pure Python",
         ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]
-        + ["fallbacks", "text_encoding", "drafts", "prefix_store", "step_plan", "observe", "intake"],
+        + ["fallbacks", "text_encoding", "drafts", "prefix_store", "step_plan", "observe", "intake"]
+        + ["param_error", "logit_controls"],
     ),
     (
         "torch",
         ["_compat", "index_ops", "kv_cache", "moe", "model", "sampler", "program", "checkpoints", "gguf_convert"]
-        + ["native", "weights", "quantized", "gguf_load", "gguf_write"],
+        + ["native", "weights", "quantized", "gguf_load", "gguf_write", "control_rows"],
     ),
     ("thunder", ["compile"]),
     ("runner", ["runner"]),
@@ -32,6 +33,8 @@ LAYERS = [
 ]
 PURE_NO_TORCH = [  # DESIGN: pure Python, no torch
     "config",
+    "param_error",
+    "logit_controls",
     "request",
     "stops",
     "scheduler",

@@ -4,6 +4,7 @@ official `openai` client and checked against the engine's offline greedy results
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -89,12 +90,38 @@ def test_parse_completion_sampling_and_stream_options():
         n=1,
         stream=True,
         stream_options={"include_usage": True},
-        presence_penalty=0,
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        logit_bias={"7": -100, "12": 2.5},
+        repetition_penalty=1.1,
+        min_p=0.05,
+        min_tokens=2,
         user="u",
     )
     job = parse_request(raw, COMPLETION)
-    assert job.params == SamplingParams(max_new_tokens=5, temperature=0, top_p=0.5, top_k=None, stop=".", seed=3)
+    controls = dict(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.1, min_p=0.05, min_tokens=2)
+    want = SamplingParams(max_new_tokens=5, temperature=0, top_p=0.5, stop=".", seed=3, logit_bias={7: -100, 12: 2.5})
+    assert job.params == dataclasses.replace(want, **controls)
     assert job.stream and job.include_usage
+
+
+def test_parse_structured_output_fields():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    wrapped = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    cases = [
+        (dict(response_format={"type": "json_object"}), ("json_schema", '{"type": "object"}')),
+        (dict(response_format=wrapped), ("json_schema", json.dumps(schema, sort_keys=True))),
+        (dict(guided_json=schema), ("json_schema", json.dumps(schema, sort_keys=True))),
+        (dict(guided_regex="[0-9]+"), ("regex", "[0-9]+")),
+        (dict(guided_choice=["a", "b"]), ("choice", '["a", "b"]')),
+        (dict(grammar='root ::= "x"'), ("grammar", 'root ::= "x"')),
+        (dict(response_format={"type": "text"}), None),
+    ]
+    for fields, want in cases:
+        assert (
+            parse_request(body(messages=[{"role": "user", "content": "hi"}], **fields), CHAT).params.constraint == want
+        )
+        assert parse_request(body(prompt="x", **fields), COMPLETION).params.constraint == want
 
 
 BAD = [  # (kind, raw body, code, param)
@@ -104,7 +131,23 @@ BAD = [  # (kind, raw body, code, param)
     (CHAT, body(model="m"), "invalid_value", "messages"),
     (CHAT, body(messages="hi"), "invalid_type", "messages"),
     (CHAT, body(messages=[{"role": "user", "content": {"x": 1}}]), "invalid_type", "messages"),
-    (CHAT, body(messages=[{"role": "user", "content": "hi"}], presence_penalty=0.5), "unsupported", "presence_penalty"),
+    (
+        CHAT,
+        body(messages=[{"role": "user", "content": "hi"}], presence_penalty=2.5),
+        "invalid_value",
+        "presence_penalty",
+    ),
+    (COMPLETION, body(prompt="x", frequency_penalty="high"), "invalid_type", "frequency_penalty"),
+    (COMPLETION, body(prompt="x", logit_bias={"x": 1}), "invalid_value", "logit_bias"),
+    (COMPLETION, body(prompt="x", logit_bias={"3": 150}), "invalid_value", "logit_bias"),
+    (COMPLETION, body(prompt="x", logit_bias=[1]), "invalid_type", "logit_bias"),
+    (COMPLETION, body(prompt="x", min_p=2), "invalid_value", "min_p"),
+    (COMPLETION, body(prompt="x", max_tokens=3, min_tokens=4), "invalid_value", "min_tokens"),
+    (COMPLETION, body(prompt="x", response_format={"type": "xml"}), "invalid_value", "response_format"),
+    (COMPLETION, body(prompt="x", response_format={"type": "json_schema"}), "invalid_value", "response_format"),
+    (COMPLETION, body(prompt="x", guided_regex="a", guided_choice=["a"]), "invalid_value", "guided_choice"),
+    (COMPLETION, body(prompt="x", guided_json="{not json"), "invalid_value", "guided_json"),
+    (COMPLETION, body(prompt="x", guided_choice=[]), "invalid_value", "guided_choice"),
     (COMPLETION, body(prompt=""), "invalid_value", "prompt"),
     (COMPLETION, body(prompt=["a", ""]), "invalid_value", "prompt"),
     (COMPLETION, body(prompt=[]), "invalid_value", "prompt"),
@@ -268,6 +311,66 @@ def test_chat_stream_and_not_equal_offline(server, offline):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+@real_model
+def test_penalties_and_logit_bias_reach_the_sampler(server, offline):
+    """OpenAI's fields and vLLM's extras give the engine's own tokens for the same controls, which differ from
+    the free run's."""
+    prompt = "List the days of the week: Monday, Tuesday,"
+    controls = dict(frequency_penalty=1.5, presence_penalty=0.5, logit_bias={"11": 5})
+    extras = dict(repetition_penalty=1.3, min_tokens=4)
+    [free] = offline([prompt], 10)
+    [want] = offline(
+        [prompt], 10, logit_bias={11: 5}, **{k: v for k, v in controls.items() if k != "logit_bias"}, **extras
+    )
+    reply = server.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, **controls, extra_body=extras
+    )
+    assert reply.choices[0].text == want.text != free.text
+
+
+@real_model
+def test_structured_output_through_the_openai_client(server, offline):
+    """`chat.completions.parse` with a pydantic model, json_object streamed, vLLM's guided_choice, and a schema the
+    engine cannot compile refused with 400 naming the problem."""
+    import pydantic
+    from openai.lib._pydantic import to_strict_json_schema
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        population: int = pydantic.Field(ge=0, le=100_000_000)
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Give the largest city of France as JSON."}]
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=messages, response_format=City, max_tokens=80, temperature=0
+    )
+    [want] = offline([messages], 80, json_schema=to_strict_json_schema(City))  # the schema the client sends
+    assert parsed.choices[0].message.content == want.text and parsed.choices[0].finish_reason == "stop"
+    assert parsed.choices[0].message.parsed == City.model_validate_json(want.text)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=80,
+        temperature=0,
+        stream=True,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in stream)), dict)
+    choice = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, extra_body={"guided_choice": ["blue", "green"]}
+    )
+    assert choice.choices[0].text in ("blue", "green")
+    bad = server.post(
+        "/v1/completions",
+        body(
+            prompt="x",
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "foo"}}},
+        ),
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+    assert "foo" in bad.json()["error"]["message"]
 
 
 @real_model

@@ -37,7 +37,8 @@ json_values = st.recursive(
 FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
     "stop", "seed", "logprobs", "top_logprobs", "echo", "stream", "stream_options", "best_of", "suffix",
-    "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "user",
+    "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "user", "guided_json", "guided_regex",
+    "guided_choice", "grammar", "repetition_penalty", "min_p", "min_tokens",
 ]  # fmt: skip
 BASE = {
     CHAT: {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0},

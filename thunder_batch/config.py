@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from thunder_batch.constraints import kept_value, normalize_constraint
+from thunder_batch.logit_controls import check_controls
+from thunder_batch.param_error import ParamError, is_int
 from thunder_batch.stops import normalize_stop
 
 COMPILE_MODES = ("thunder", "eager")
@@ -18,14 +21,6 @@ MAX_TEMPERATURE = 100.0  # past this the logits are flat in float32 anyway
 MAX_STOPS = 64  # stop strings and stop token sequences per request
 MAX_STOP_LENGTH = 4096  # characters of a stop string, tokens of a stop sequence
 _MASK64 = 2**64 - 1
-
-
-class ParamError(ValueError):
-    """A setting out of range; `param` names the field, so callers (the server) need not parse the message."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class ContextLengthError(ValueError):
@@ -43,11 +38,6 @@ class ContextLengthError(ValueError):
         )
         self.prompt_tokens, self.max_new_tokens, self.max_seq_length = prompt_tokens, max_new_tokens, max_seq_length
         self.at_least = at_least
-
-
-def is_int(value) -> bool:
-    """An int that is not a bool (JSON and Python both let True pass as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_chat(prompt) -> bool:
@@ -276,7 +266,8 @@ class SamplingParams:
     need the engine's tokenizer. max_new_tokens None: as many as the slot's cache holds after the prompt
     (OpenAI's max_tokens left out). Every token's logprob (log_softmax of the raw logits) is kept;
     `logprobs` k also keeps the k most likely alternatives at each generated token, `prompt_logprobs`
-    k scores the prompt's own tokens (each given those before it) with k alternatives (0 <= k <= 20)."""
+    k scores the prompt's own tokens (each given those before it) with k alternatives (0 <= k <= 20).
+    Penalties, min_p, min_tokens and logit_bias: see `logit_controls`."""
 
     max_new_tokens: int | None = 32
     temperature: float = 0.0
@@ -288,6 +279,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Logit controls (logit_controls.py): off at these values.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: object = None  # {token id: bias}; kept as ((id, bias), ...) sorted
+    # Structured output (constraints.py), at most one: a JSON schema (dict or JSON text; kept as canonical
+    # JSON text), a regex, a grammar (Lark or GBNF), or choices (kept as a tuple).
+    json_schema: object = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: object = None
+    constraint: tuple[str, str] | None = field(init=False, repr=False)  # (kind, text) or None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_sequences: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
@@ -319,6 +324,10 @@ class SamplingParams:
         except ValueError as e:
             raise ParamError("stop", str(e)) from None
         _check_stops(strings, sequences)
+        object.__setattr__(self, "logit_bias", check_controls(self))
+        object.__setattr__(self, "constraint", normalize_constraint(self))
+        if self.constraint is not None:  # hashable, and equal for equal schemas
+            object.__setattr__(self, self.constraint[0], kept_value(*self.constraint))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop_strings", strings)
         object.__setattr__(self, "stop_sequences", sequences)

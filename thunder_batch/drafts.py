@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
+from thunder_batch.logit_controls import has_controls
 from thunder_batch.step_plan import SlotWork, StepPlan
 
 GATE_DECAY = 0.8  # weight of the old value in the gate's moving averages
@@ -197,6 +198,8 @@ class Drafter:
 
     def _draft(self, work: SlotWork) -> list[int]:
         request = work.request
+        if has_controls(request.params):  # a verify row's controls would need the counts of the drafts before it
+            return []
         # Room: every fed position below max_seq_length, no more tokens than the request may still produce.
         left = request.params.max_new_tokens - len(request.output_ids)
         room = min(self.k, left - 1, self.config.max_seq_length - 1 - work.start_pos)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from thunder_batch.chat import prompt_style_for
-from thunder_batch.config import EngineConfig, SamplingParams, choice_seed, is_chat
+from thunder_batch.config import EngineConfig, ParamError, SamplingParams, choice_seed, is_chat
 from thunder_batch.drafts import Drafter, accepted_tokens
 from thunder_batch.intake import PromptIntake
 from thunder_batch.kv_cache import bytes_per_token
@@ -46,6 +46,7 @@ class Engine:
         self._next_id = itertools.count()
         self._seeds = random.Random()  # seeds for requests that bring none
         self._counters = dict(steps=0, generated_tokens=0, prompt_tokens=0, finished_requests=0)
+        self._grammar_compiler = None  # constraints.GrammarCompiler, on the first constrained request
         self.observers = Observers()  # callables given each step's StepEvent (the server's metrics, the bench)
 
     @classmethod
@@ -90,7 +91,21 @@ class Engine:
             request_id = next(self._next_id) if request_id is None else request_id
             detok = self._detokenizer(prompt_ids) if self.tokenizer is not None else None
             requests.append(Request(request_id, prompt_ids, params, choice_seed(seed, choice), self.eos_ids, detok))
+        if params.constraint is not None:
+            for request in requests:  # each choice its own grammar state
+                request.constraint = self._grammars().constraint(*params.constraint, request.stop_ids)
         return requests
+
+    def _grammars(self):
+        """The structured-output compiler for this engine's tokenizer, made on the first constrained request."""
+        if self._grammar_compiler is None:
+            from thunder_batch.constraints import GrammarCompiler
+
+            if self.tokenizer is None or not self.eos_ids:
+                raise ParamError("json_schema", "structured output needs the model's tokenizer and its EOS token")
+            eos = min(self.eos_ids)
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, eos, self.vocab_size)
+        return self._grammar_compiler
 
     def enqueue(self, requests: list[Request]) -> None:
         """Queue prepared Requests (all or none: an id already in use raises ValueError)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from thunder_batch.chat import apply_chat, chat_stop_sequences
-from thunder_batch.config import ContextLengthError, SamplingParams, is_chat, is_int
+from thunder_batch.config import ContextLengthError, ParamError, SamplingParams, is_chat, is_int
 from thunder_batch.text_encoding import text_encoder
 
 
@@ -64,7 +64,11 @@ class PromptIntake:
         return dataclasses.replace(params, stop=[*strings, *(list(s) for s in sequences + chat)])
 
     def fitted(self, prompt_len: int, params: SamplingParams) -> SamplingParams:
-        """params with max_new_tokens None resolved to the rest of the cache; ContextLengthError if it cannot fit."""
+        """params with max_new_tokens None resolved to the rest of the cache; ContextLengthError if it cannot fit.
+        Its logit_bias must name tokens of the vocabulary."""
+        outside = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise ParamError("logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size}); got {outside[:5]}")
         limit, wanted = self.max_seq_length, params.max_new_tokens
         if prompt_len + (wanted or 1) > limit:
             raise ContextLengthError(prompt_len, wanted, limit)

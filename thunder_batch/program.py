@@ -20,7 +20,15 @@ from thunder_batch.config import MAX_LOGPROBS
 from thunder_batch.kv_cache import SlotKVCache, slot_caches
 from thunder_batch.model import StepShared, block_forward, layer_rope, rope_table, step_inputs
 from thunder_batch.moe import fixed_shape_mlp
-from thunder_batch.sampler import batched_sample, greedy_sample, score_rows, top_logprobs
+from thunder_batch.sampler import (
+    apply_controls,
+    batched_sample,
+    greedy_sample,
+    logprob_of,
+    mask_disallowed,
+    score_rows,
+    top_logprobs,
+)
 
 
 def rope_tables(gpt: nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +94,12 @@ class StepInputs(NamedTuple):
     seed: torch.Tensor  # [B] int64
     target: torch.Tensor | None = None  # [N] int64: the next prompt token of each row a `_prompt` head scores
     # (0 where none), or each row's slot for a verify head
+    # A `controlled_` head's logit controls (control_rows.ControlRows; None for the other heads):
+    bias: torch.Tensor | None = None  # [B, V] float32: logit_bias, -inf on stop tokens held back by min_tokens
+    counts: torch.Tensor | None = None  # [B, V] float32: times each token was generated
+    seen: torch.Tensor | None = None  # [B, V] bool: in the prompt or the output
+    allowed: torch.Tensor | None = None  # [B, ceil(V / 32)] int32: the tokens each row's grammar allows, as bits
+    knobs: torch.Tensor | None = None  # [B, 4] float32: presence, frequency, repetition penalties, min_p
 
     def prefix_args(self) -> tuple[torch.Tensor, ...]:
         """StepPrefix's arguments."""
@@ -93,21 +107,30 @@ class StepInputs(NamedTuple):
 
     def head_args(self, x: torch.Tensor) -> tuple:
         """A head's arguments after the layers' output x [N, C] (StepHead.forward, VerifyHead.forward)."""
-        return x, self.input_pos, self.last_row, self.temperature, self.top_k, self.top_p, self.seed, self.target
+        args = (x, self.input_pos, self.last_row, self.temperature, self.top_k, self.top_p, self.seed, self.target)
+        return args if self.knobs is None else (*args, self.bias, self.counts, self.seen, self.allowed, self.knobs)
+
+    def program_args(self) -> tuple:
+        """The tensors a step program takes: the controls only when there are some."""
+        return tuple(self) if self.knobs is not None else tuple(self)[: self._fields.index("bias")]
 
 
 HEADS = ("filtered", "unsorted", "greedy")  # the samplers; each head variant is one of them
 EXTRAS = ("top", "prompt")  # what a variant adds: "greedy_top", "filtered_prompt", ...
 
 
-def variant_name(sampler: str, extra: str = "", verify: bool = False) -> str:
-    """A head variant's name (a compiled program's key): "greedy", "filtered_top", "verify_unsorted_top", ..."""
+def variant_name(sampler: str, extra: str = "", verify: bool = False, controlled: bool = False) -> str:
+    """A head variant's name (a compiled program's key): "greedy", "filtered_top", "controlled_greedy",
+    "verify_unsorted_top", ... (`controlled_`: it applies the rows' logit controls first)."""
     name = f"{sampler}_{extra}" if extra else sampler
+    name = f"controlled_{name}" if controlled else name
     return f"verify_{name}" if verify else name
 
 
-# name -> (sampler, extra): the one place a variant's name is taken apart
-VARIANT_PARTS = {h: (h, "") for h in HEADS} | {variant_name(h, e): (h, e) for h in HEADS for e in EXTRAS}
+# name -> (sampler, extra, controlled): the one place a variant's name is taken apart
+VARIANT_PARTS = {
+    variant_name(h, e, controlled=c): (h, e, c) for c in (False, True) for h in HEADS for e in ("", *EXTRAS)
+}
 VARIANTS = tuple(VARIANT_PARTS)
 
 
@@ -121,6 +144,8 @@ class StepHead(nn.Module):
     Variants `<sampler>_top` also return each slot's MAX_LOGPROBS most likely tokens and their
     logprobs; `<sampler>_prompt` also score every row of the step (the prompt rows) against its
     `target` token, with alternatives: lm_head then runs on all N rows, not only the last ones.
+    Variants `controlled_*` apply the rows' logit controls (`sampler.apply_controls`, min_p) before the
+    sampler; their logprobs stay the model's own, under the grammar's mask for a constrained row.
     """
 
     def __init__(self, gpt: nn.Module, variant: str = "filtered") -> None:
@@ -128,7 +153,7 @@ class StepHead(nn.Module):
         if variant not in VARIANTS:
             raise ValueError(f"head variant must be one of {VARIANTS}, got {variant!r}")
         self.gpt = gpt
-        self.variant, self.extra = VARIANT_PARTS[variant]
+        self.variant, self.extra, self.controlled = VARIANT_PARTS[variant]
 
     def logits(self, hidden):
         # hidden: [R, C] -> [R, V]
@@ -138,25 +163,33 @@ class StepHead(nn.Module):
             logits = do_softcapping(logits, gpt.config.final_logit_softcapping)
         return logits
 
-    def forward(self, x, input_pos, last_row, temperature, top_k, top_p, seed, target=None):
-        # x: [N, C]; input_pos, target: [N]; last_row: [B] -> (token [B], logprob [B]) and, per
-        # variant, (top ids [B, K], top logprobs [B, K]), (row logprob [N], ids [N, K], logprobs [N, K])
+    def forward(self, x, input_pos, last_row, temperature, top_k, top_p, seed, target=None, *controls):
+        # x: [N, C]; input_pos, target: [N]; last_row: [B]; controls: StepInputs' bias, counts, seen, allowed, knobs
+        # -> (token [B], logprob [B]) and, per variant, (top ids [B, K], top logprobs [B, K]), (row logprob
+        # [N], ids [N, K], logprobs [N, K])
         logits = self.logits(x.index_select(0, last_row))  # [B, V]: one row per slot, not N
-        out = self.sampled(logits, input_pos.index_select(0, last_row), temperature, top_k, top_p, seed)
+        out = self.sampled(logits, input_pos.index_select(0, last_row), temperature, top_k, top_p, seed, controls)
         if self.extra != "prompt":
             return out
         return (*out, *score_rows(self.logits(x), target, MAX_LOGPROBS))  # its own matmul: [B] rows unchanged
 
-    def sampled(self, logits, last_pos, temperature, top_k, top_p, seed):
-        # logits: [B, V]; last_pos and the settings: [B] -> (token [B], logprob [B]), then with "top" or
-        # "prompt" (top ids [B, K], top logprobs [B, K])
+    def sampled(self, logits, last_pos, temperature, top_k, top_p, seed, controls=()):
+        # logits: [B, V]; last_pos and the settings: [B]; controls: () or (bias, counts, seen, allowed, knobs) ->
+        # (token [B], logprob [B]), then with "top" or "prompt" (top ids [B, K], top logprobs [B, K])
         # The RNG is keyed by the sampled token's own position: independent of slot and batch-mates.
+        steered, min_p, reported = logits, None, logits
+        if self.controlled:
+            bias, counts, seen, allowed, knobs = controls
+            reported = mask_disallowed(logits.float(), allowed)  # [B, V]: a grammar's distribution
+            steered, min_p = apply_controls(reported, bias, counts, seen, knobs), knobs[:, 3]  # [B, V], [B]
         if self.variant == "greedy":
-            out = greedy_sample(logits)
+            out = greedy_sample(steered)
         else:
             sort = self.variant == "filtered"
-            out = batched_sample(logits, temperature, top_k, top_p, seed, last_pos + 1, sort=sort)
-        return (*out, *top_logprobs(logits, MAX_LOGPROBS)) if self.extra else out
+            out = batched_sample(steered, temperature, top_k, top_p, seed, last_pos + 1, sort=sort, min_p=min_p)
+        if self.controlled:  # logprobs: the model's own, under the grammar's mask (penalties steer, not report)
+            out = (out[0], logprob_of(reported, out[0]))
+        return (*out, *top_logprobs(reported, MAX_LOGPROBS)) if self.extra else out
 
 
 class VerifyHead(StepHead):
@@ -166,13 +199,14 @@ class VerifyHead(StepHead):
     there: a row samples exactly the token plain decoding would after the same prefix. `target` carries
     each row's slot. Variant `<sampler>_top` adds every row's most likely tokens."""
 
-    def forward(self, x, input_pos, last_row, temperature, top_k, top_p, seed, target=None):
+    def forward(self, x, input_pos, last_row, temperature, top_k, top_p, seed, target=None, *controls):
         # x: [N, C]; input_pos, target (row slots): [N]; the rest [B] -> StepHead's outputs, then
         # (row token [R], row logprob [R]) and with `_top` (row ids [R, K], row logprobs [R, K]); R = N - B
         B = last_row.shape[0]
         # One lm_head over the slots' last rows and every verify row: its weights are read once, not twice.
         logits = self.logits(torch.cat((x.index_select(0, last_row), x[B:])))  # [B + R, V]
-        out = self.sampled(logits[:B], input_pos.index_select(0, last_row), temperature, top_k, top_p, seed)
+        # The slots' rows take their controls; a controlled request never drafts, so no verify row needs them.
+        out = self.sampled(logits[:B], input_pos.index_select(0, last_row), temperature, top_k, top_p, seed, controls)
         slots, logits = target[B:], logits[B:]  # [R], [R, V]
         position = input_pos[B:] + 1  # [R]: the position of the token each row samples
         if self.variant == "greedy":
@@ -185,7 +219,12 @@ class VerifyHead(StepHead):
         return (*out, *rows)
 
 
-VERIFY_VARIANTS = {variant_name(h, e, verify=True): variant_name(h, e) for e in ("", "top") for h in HEADS}
+VERIFY_VARIANTS = {
+    variant_name(h, e, True, c): variant_name(h, e, controlled=c)
+    for c in (False, True)
+    for e in ("", "top")
+    for h in HEADS
+}
 
 
 class StepProgram(nn.Module):

@@ -83,6 +83,7 @@ class Request:
         self.prompt_logprobs: list[float | None] = [None] if scored else []
         self.prompt_top_logprobs: list[list[tuple[int, float]] | None] = [None] if scored else []
         self.num_cached = 0  # tokens of prompt + output already written to the slot's KV cache
+        self.constraint = None  # constraints.Constraint when params set one (the engine compiles it)
         self.slot: int | None = None
         self.finish_reason: str | None = None
         self.stop_token: tuple | None = None  # (id, logprob, top) of the stop token (EOS) that ended it
@@ -95,6 +96,11 @@ class Request:
         self._num_released = 0
         self._pushed = 0  # output tokens fed to the detokenizer
         self._text_ends: list[int] = []  # per pushed token: length of the text decoded up to it
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The token ids that end this request: its stop_token_ids, and EOS unless ignore_eos."""
+        return self._stop_ids
 
     @property
     def finished(self) -> bool:

@@ -12,7 +12,9 @@ import torch
 from thunder_batch.compile.step import follow_weights, load_or_compile_program, outputs_unused
 from thunder_batch.compile.step import program_stats as step_program_stats
 from thunder_batch.config import EngineConfig, StepShape
+from thunder_batch.control_rows import ControlRows
 from thunder_batch.kv_cache import copy_entries
+from thunder_batch.logit_controls import has_controls
 from thunder_batch.model import check_supported
 from thunder_batch.moe import restack
 from thunder_batch.program import HEADS, StepInputs, StepProgram, variant_name
@@ -69,6 +71,7 @@ class Runner:
         # the model with trace="step": there, every step keeps the sort.
         whole_step = config.compile == "thunder" and config.trace == "step"
         self.head_variants = ("filtered",) if whole_step else HEADS
+        self.controls = ControlRows(config.batch_size, gpt.config.padded_vocab_size, self.device)
 
     def follow_weights(self) -> bool:
         """Before each step: whether any weight changed since the last call (the first: since the runner was
@@ -142,6 +145,7 @@ class Runner:
             top_p=torch.tensor(top_p, dtype=torch.float32, device=dev),
             seed=torch.tensor(seed, dtype=long, device=dev),
             target=torch.tensor(target, dtype=long, device=dev),
+            **(self.controls.inputs(plan.work) or {}),
         )
 
     def probe_inputs(self, rows: int, length: int, verify: bool = False) -> StepInputs:
@@ -221,7 +225,7 @@ class Runner:
         head = heads[0] if len(heads) == 1 else heads  # one head: the call the steps make
         fn = self.verify_fn if shape.verify else self.step_fn
         with torch.no_grad(), outputs_unused(fn):
-            fn(*self.inputs_for(StepPlan([], verify=shape.verify), shape), head=head)
+            fn(*self.inputs_for(StepPlan([], verify=shape.verify), shape).program_args(), head=head)
 
     def run(self, plan: StepPlan, head: str | None = None, shape: StepShape | None = None) -> StepResult:
         """One step; returns the sampled token and its logprob for every slot (one host sync), and
@@ -236,7 +240,7 @@ class Runner:
             shape = shape or self.shape_for(plan)
             inputs = self.inputs_for(plan, shape)
             inputs_seconds = time.perf_counter() - start
-            out = fn(*inputs, head=variant_name(head, verify=plan.verify))
+            out = fn(*inputs.program_args(), head=variant_name(head, verify=plan.verify))
         result = _verify_result(out) if plan.verify else _step_result(out)
         result.inputs_seconds, result.shape = inputs_seconds, shape
         return result
@@ -281,8 +285,8 @@ def program_stats(runner: Runner) -> dict:
 
 
 def _pairs(ids: torch.Tensor, logprobs: torch.Tensor) -> list[list[tuple[int, float]]]:
-    """[R, K] ids and logprobs -> per row [(id, logprob)] * K."""
-    return [list(zip(i, lp)) for i, lp in zip(ids.tolist(), logprobs.tolist())]
+    """[R, K] ids and logprobs -> per row [(id, logprob)] * K, without the tokens a grammar ruled out (-inf)."""
+    return [[(t, p) for t, p in zip(i, lp) if p != float("-inf")] for i, lp in zip(ids.tolist(), logprobs.tolist())]
 
 
 def _lane_slots(plan: StepPlan, lanes: int, B: int, C: int) -> list[int]:
@@ -296,15 +300,17 @@ def _lane_slots(plan: StepPlan, lanes: int, B: int, C: int) -> list[int]:
 def head_for(plan: StepPlan, sampler: str | None = None) -> str:
     """ "greedy" when no slot that samples this step has temperature > 0, "filtered" when one of
     those needs the sampler's full-vocabulary sort (top-p, or top-k above SMALL_TOP_K), else
-    "unsorted" (or `sampler`, when given). Slots still prefilling
+    "unsorted" (or `sampler`, when given); prefixed "controlled_" when one of them sets a logit control
+    (logit_controls.py). Slots still prefilling
     sample nothing that counts. Suffixed "_prompt" when a row is scored against the next prompt
     token (prompt logprobs), else "_top" when a sampling slot wants logprob alternatives."""
     sampler = sampler or _sampler_for(plan)
+    controlled = any(w.samples and has_controls(w.request.params) for w in plan.work)
     if any(scores_prompt(w) for w in plan.work):
-        return variant_name(sampler, "prompt")
+        return variant_name(sampler, "prompt", controlled=controlled)
     if any(w.samples and w.request.params.logprobs for w in plan.work):
-        return variant_name(sampler, "top")
-    return sampler
+        return variant_name(sampler, "top", controlled=controlled)
+    return variant_name(sampler, controlled=controlled)
 
 
 def _sampler_for(plan: StepPlan) -> str:

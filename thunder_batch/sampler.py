@@ -118,6 +118,38 @@ def draw_small_top_k(scaled: Tensor, noise: Tensor, top_k: Tensor, top_p: Tensor
     return torch.gather(ids, 1, noisy.argmax(dim=-1, keepdim=True)).squeeze(1)  # [B]
 
 
+def apply_controls(logits: Tensor, bias: Tensor, counts: Tensor, seen: Tensor, knobs: Tensor) -> Tensor:
+    """The logit controls before temperature (logit_controls.py, vLLM's order): logit_bias (-inf on the stop
+    tokens min_tokens holds back), the repetition penalty on tokens seen in the prompt or output, then the
+    frequency and presence penalties on the output's counts (a grammar's -inf, `mask_disallowed`, stays -inf).
+    logits, bias, counts: [B, V] float32; seen: [B, V] bool; knobs: [B, 4] float32 (presence, frequency,
+    repetition, min_p); a row at (0, 0, 1, 0) with zero bias keeps its logits. -> [B, V]"""
+    x = logits + bias  # [B, V]
+    repetition = knobs[:, 2:3]  # [B, 1]
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)  # [B, V]
+    return x - knobs[:, 1:2] * counts - knobs[:, 0:1] * (counts > 0).to(x.dtype)  # [B, V]
+
+
+def mask_disallowed(logits: Tensor, allowed: Tensor) -> Tensor:
+    """-inf where the row's grammar allows no token (constraints.py). logits: [B, V]; allowed: [B, ceil(V / 32)]
+    int32 bits (token t: bit t & 31 of word t >> 5; every bit set: the row as it is) -> [B, V]"""
+    return torch.where(allowed_tokens(allowed, logits.shape[-1]), logits, float("-inf"))  # [B, V]
+
+
+def allowed_tokens(allowed: Tensor, vocab_size: int) -> Tensor:
+    """Bitmask rows [B, W] int32 -> [B, vocab_size] bool (token t: bit t & 31 of word t >> 5)."""
+    vocab = torch.arange(vocab_size, device=allowed.device)  # [V]
+    words = allowed.index_select(1, vocab >> 5)  # [B, V]
+    return ((words >> (vocab & 31).to(torch.int32)) & 1) != 0  # [B, V]: an arithmetic shift; bit 0 is exact
+
+
+def min_p_mask(scaled: Tensor, min_p: Tensor) -> Tensor:
+    """-inf on tokens less likely than min_p x the row's most likely: scaled [B, V] (after temperature),
+    min_p [B] in [0, 1] (0 keeps all: log 0 = -inf) -> [B, V]. In log space: p_i >= min_p * p_max."""
+    floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]  # [B, 1]
+    return torch.where(scaled >= floor, scaled, float("-inf"))  # [B, V]
+
+
 def batched_sample(
     logits: Tensor,
     temperature: Tensor,
@@ -127,6 +159,7 @@ def batched_sample(
     position: Tensor,
     *,
     sort: bool = True,
+    min_p: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """logits[B, V] float (any float dtype; compute in float32), temperature[B] float32 (0 = greedy),
     top_k[B] int64 (0 = no top-k), top_p[B] float32 in (0, 1] (1 = off), seed[B] int64 (any value),
@@ -137,12 +170,15 @@ def batched_sample(
     Rows with 0 < top_k <= SMALL_TOP_K draw from their top-k values (`draw_small_top_k`) in every
     step; sort=False (a Python bool: each value is its own trace) skips the full-vocabulary sort that
     filters the others, and leaves them unfiltered. Use it only when no row that counts needs that sort
-    (`needs_sort`): every row then gets bit-identical tokens and logprobs either way."""
+    (`needs_sort`): every row then gets bit-identical tokens and logprobs either way. min_p [B]: each row's
+    `min_p_mask` before top-k / top-p (None: none)."""
     logits = logits.float()  # [B, V]
     greedy = temperature <= 0  # [B]
     # Greedy rows divide by 1 so no inf/nan is formed; their sampled value is discarded.
     temp = torch.where(greedy, 1.0, temperature)  # [B]
     scaled = logits / temp[:, None]  # [B, V]
+    if min_p is not None:
+        scaled = min_p_mask(scaled, min_p)  # [B, V]
     noise = gumbel_noise(seed, position, logits.shape[-1])  # [B, V]
     # Gumbel-max: argmax(scaled + Gumbel) is a draw from softmax(scaled).
     drawn = ((filter_top_k_top_p(scaled, top_k, top_p) if sort else scaled) + noise).argmax(dim=-1)  # [B]

@@ -23,6 +23,10 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     stop: list[str] | None = None,
+    repetition_penalty: float = 1.0,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    min_p: float = 0.0,
     **options,
 ) -> None:
     """Generate text for several prompts at once, streaming each as it is produced.
@@ -36,24 +40,35 @@ def generate(
         top_p: Nucleus sampling mass in (0, 1] (1: off).
         seed: Seed for sampling; the same seed gives the same text whatever the batch.
         stop: Stop strings (repeat the flag for several); the stop text is not printed.
+        repetition_penalty: > 1 makes tokens of the prompt and output less likely (1: off).
+        frequency_penalty: In [-2, 2]: subtracted from a token's logit per time it was generated.
+        presence_penalty: In [-2, 2]: subtracted from the logit of every token generated at least once.
+        min_p: Sample only tokens at least this likely relative to the most likely (0: off).
     """
     from thunder_batch import SamplingParams
 
     prompts = list(prompt or []) + [[{"role": "user", "content": c}] for c in chat or []]
     if not prompts:
         raise SystemExit("thunder-batch generate: give at least one --prompt or --chat")
+    try:
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop=list(stop or []),
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            min_p=min_p,
+        )
+    except ValueError as e:  # a bad setting, before the model loads
+        raise SystemExit(f"thunder-batch generate: {e}") from e
     err = Console(stderr=True)
     start = time.perf_counter()
     engine = EngineOptions(**options).load_engine()
     err.print(f"loaded model in {time.perf_counter() - start:.1f}s")
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        stop=list(stop or []),
-    )
     try:
         ids = [engine.add_request(p, params) for p in prompts]
     except ValueError as e:

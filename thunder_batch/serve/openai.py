@@ -9,10 +9,11 @@ tokenizer.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
 from thunder_batch.config import MAX_LOGPROBS, ParamError, SamplingParams, is_int
+from thunder_batch.serve.fields import APIError, get_field
+from thunder_batch.serve.sampling_fields import constraint, logit_controls, request_field
 
 CHAT, COMPLETION = "chat", "completion"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -22,29 +23,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 NEUTRAL = {
     "best_of": (1,),
     "suffix": ("",),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
-    "response_format": ({"type": "text"},),
 }
-
-
-class APIError(Exception):
-    """An error for the client: HTTP status plus OpenAI's error fields."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        kind = "rate_limit_error" if self.status == 429 else kind
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def to_dict(self) -> dict:  # crosses the process boundary as plain data
-        return dict(status=self.status, message=self.message, param=self.param, code=self.code)
 
 
 @dataclass
@@ -61,6 +42,7 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt is part of the text (and its tokens of the logprobs)
     logprobs: bool = False  # shape token logprobs (params.logprobs alternatives each)
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone comes back (its one made token is not sent)
+    names: dict | None = None  # SamplingParams field -> the request's own name for it, where they differ
 
     @property
     def choices(self) -> int:
@@ -74,6 +56,7 @@ class ParsedRequest:
             echo=self.echo,
             logprobs=self.logprobs,
             echo_only=self.echo_only,
+            names=self.names or {},
         )
 
 
@@ -100,33 +83,35 @@ def parse_json(body: bytes) -> dict:
 def parse_request(body: bytes, kind: str, limits: Limits = Limits()) -> ParsedRequest:
     """Body of POST /v1/chat/completions (CHAT) or /v1/completions (COMPLETION) -> ParsedRequest, or APIError (400)."""
     data = parse_json(body)
-    _get(data, "model", str)  # any name is accepted: one model is served
+    get_field(data, "model", str)  # any name is accepted: one model is served
     for name, neutral in NEUTRAL.items():
         _check_neutral(data, name, neutral)
     echo = echo_only = False
     if kind == CHAT:
         prompts = [_messages(data)]
-        max_tokens = _get(data, "max_completion_tokens", int, _get(data, "max_tokens", int))
+        max_tokens = get_field(data, "max_completion_tokens", int, get_field(data, "max_tokens", int))
         logprobs = _chat_logprobs(data)
     else:
         prompts = _completion_prompts(data)
-        max_tokens = _get(data, "max_tokens", int, COMPLETION_DEFAULT_MAX_TOKENS)
+        max_tokens = get_field(data, "max_tokens", int, COMPLETION_DEFAULT_MAX_TOKENS)
         logprobs = _count(data, "logprobs", None)
-        echo = _get(data, "echo", bool, False)
+        echo = get_field(data, "echo", bool, False)
         if echo and max_tokens == 0:  # score the prompt only (OpenAI, vLLM): one token is made, not sent
             echo_only, max_tokens = True, 1
-    stream = _get(data, "stream", bool, False)
-    options = _get(data, "stream_options", dict, {})
-    include_usage = stream and _get(options, "include_usage", bool, False, "stream_options.include_usage")
+    stream = get_field(data, "stream", bool, False)
+    options = get_field(data, "stream_options", dict, {})
+    include_usage = stream and get_field(options, "include_usage", bool, False, "stream_options.include_usage")
     n = _n(data, len(prompts), limits)
     params = _sampling(data, max_tokens, logprobs, logprobs if echo else None)
-    return ParsedRequest(kind, prompts, params, stream, include_usage, n, echo, logprobs is not None, echo_only)
+    # A schema the worker cannot compile is reported under the request's own field (response_format, ...).
+    names = {params.constraint[0]: request_field(data, params.constraint[0])} if params.constraint else None
+    return ParsedRequest(kind, prompts, params, stream, include_usage, n, echo, logprobs is not None, echo_only, names)
 
 
 def _chat_logprobs(data: dict) -> int | None:
     """Chat: `logprobs: true` returns each token's logprob, `top_logprobs` that many alternatives."""
     top = _count(data, "top_logprobs", None)
-    if not _get(data, "logprobs", bool, False):
+    if not get_field(data, "logprobs", bool, False):
         if top is not None:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
         return None
@@ -134,14 +119,14 @@ def _chat_logprobs(data: dict) -> int | None:
 
 
 def _count(data: dict, name: str, default):
-    value = _get(data, name, int, default)
+    value = get_field(data, name, int, default)
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
         raise APIError(400, f"'{name}' must be an integer in [0, {MAX_LOGPROBS}], got {value}", name, "invalid_value")
     return value
 
 
 def _n(data: dict, prompts: int, limits: Limits) -> int:
-    n = _get(data, "n", int, 1)
+    n = get_field(data, "n", int, 1)
     if not 1 <= n <= limits.max_n:
         raise APIError(
             400, f"'n' must be an integer in [1, {limits.max_n}] (the batch size), got {n}", "n", "invalid_value"
@@ -158,30 +143,32 @@ def _n(data: dict, prompts: int, limits: Limits) -> int:
 
 
 def _sampling(data: dict, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-    top_k = _get(data, "top_k", int)
-    stop = _get(data, "stop", (str, list))
+    top_k = get_field(data, "top_k", int)
+    stop = get_field(data, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise APIError(400, "'stop' must be a string or a list of strings", "stop", "invalid_type")
     try:
         return SamplingParams(
             max_new_tokens=max_tokens,
-            temperature=_get(data, "temperature", (int, float), 1.0),
-            top_p=_get(data, "top_p", (int, float), 1.0),
+            temperature=get_field(data, "temperature", (int, float), 1.0),
+            top_p=get_field(data, "top_p", (int, float), 1.0),
             top_k=None if top_k == -1 else top_k,
             stop=stop,
-            seed=_get(data, "seed", int),
+            seed=get_field(data, "seed", int),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            **logit_controls(data),
+            **constraint(data),
         )
     except ParamError as e:  # the client named it max_tokens (or max_completion_tokens)
         param = "max_tokens" if e.param == "max_new_tokens" else e.param
         message = str(e).replace("max_new_tokens", "max_tokens")
-        raise APIError(400, message, param if param in data else None, "invalid_value") from None
+        raise APIError(400, message, request_field(data, param), "invalid_value") from None
 
 
 def _messages(data: dict) -> list[dict]:
     """OpenAI messages -> [{"role", "content": str}]; roles and order are checked by the engine."""
-    messages = _get(data, "messages", list)
+    messages = get_field(data, "messages", list)
     if not messages:
         raise APIError(
             400, "'messages' is required: a non-empty list of {'role', 'content'} objects", "messages", "invalid_value"
@@ -211,7 +198,7 @@ def _content(content, i: int) -> str:
 
 def _completion_prompts(data: dict) -> list:
     """A string, a list of token ids, or a list of several of either (a batch of prompts)."""
-    prompt = _get(data, "prompt", (str, list))
+    prompt = get_field(data, "prompt", (str, list))
     batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
     prompts = prompt if batch else [prompt]
     if all((isinstance(p, str) and p) or (isinstance(p, list) and p and all(is_int(t) for t in p)) for p in prompts):
@@ -222,24 +209,6 @@ def _completion_prompts(data: dict) -> list:
         "prompt",
         "invalid_value",
     )
-
-
-_TYPE_NAMES = {str: "a string", int: "an integer", bool: "a boolean", list: "an array", dict: "an object"}
-
-
-def _get(data: dict, name: str, types, default=None, label: str | None = None):
-    """data[name] if present and not null, checked against types (bool is not an int; int is a float)."""
-    value = data.get(name)
-    if value is None:
-        return default
-    types = types if isinstance(types, tuple) else (types,)
-    ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
-    if not ok or (isinstance(value, float) and not math.isfinite(value)):
-        wanted = "a number" if float in types else " or ".join(_TYPE_NAMES[t] for t in types)
-        raise APIError(
-            400, f"'{label or name}' must be {wanted}, got {json.dumps(value)[:80]}", label or name, "invalid_type"
-        )
-    return value
 
 
 def _check_neutral(data: dict, name: str, allowed: tuple) -> None:

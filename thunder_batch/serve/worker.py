@@ -130,8 +130,9 @@ class EngineAPI(ls.LitAPI):
                 out.append((uid, payload, self._requests_for(uid, payload)))
             except ContextLengthError as e:
                 out.append((uid, payload, _error(uid, _context_error(e, payload["prompts"]))))
-            except ParamError as e:  # e.g. stop strings the tokenizer cannot serve
-                out.append((uid, payload, _error(uid, APIError(400, str(e), e.param, "invalid_value"))))
+            except ParamError as e:  # e.g. stop strings the tokenizer cannot serve, a schema that does not compile
+                param = payload.get("names", {}).get(e.param, e.param)
+                out.append((uid, payload, _error(uid, APIError(400, str(e), param, "invalid_value"))))
             except ValueError as e:  # the engine's own checks: roles, token ids, chat template
                 error = APIError(400, str(e), _prompt_param(payload["prompts"]), "invalid_value")
                 out.append((uid, payload, _error(uid, error)))
