@@ -155,6 +155,16 @@ def test_compiled_controlled_steps_equal_eager_and_make_no_new_shape(thunder_eng
     assert engine.stats()["cache_misses"] == misses  # a head variant more, no step shape more
 
 
+def test_a_stored_controlled_head_is_loaded_by_the_next_engine(gpt, tmp_path):
+    """Its load-time check runs it on the probe's rows with this call's controls (the probe has none)."""
+    params = SamplingParams(max_new_tokens=6, repetition_penalty=1.5, logit_bias={4: 2.0})
+    config = EngineConfig(compile="thunder", cache_dir=str(tmp_path), **ENGINE_CONFIG)
+    first = Engine(gpt, config).generate([[1, 2, 3]], params)
+    again = Engine(gpt, config)
+    assert again.generate([[1, 2, 3]], params)[0].token_ids == first[0].token_ids
+    assert again.stats()["traced"] == 0 and again.stats()["disk_cache_hits"] > 0
+
+
 def test_a_controlled_request_never_drafts_and_gets_the_same_tokens(gpt):
     config = EngineConfig(compile="eager", speculative_tokens=4, **ENGINE_CONFIG)
     engine = Engine(gpt, config)

@@ -8,7 +8,8 @@ t of word t // 32 for token t; the step's `controlled_` head sets every other lo
 sampled tokens. EOS and the request's stop tokens are allowed exactly when the grammar accepts the text so far.
 JSON is compact (", " and ": " separators, no free whitespace): a small model cannot loop on blank lines.
 Chosen over xgrammar (benchmarks/grammar_libraries.py, RESULTS.md): one small wheel with no dependencies, an
-error for the schema keywords it does not implement where xgrammar ignores some silently, masks of ~15 us a row.
+error for the schema keywords it does not implement where xgrammar ignores some silently, masks of ~15 us a row at
+the median (0.2-0.6 ms on bounded strings).
 """
 
 from __future__ import annotations

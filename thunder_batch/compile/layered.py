@@ -121,7 +121,9 @@ class LayeredProgram:
         kind = f"head-{head}"
         fn = shape.heads.get(kind)
         if fn is None:
-            fn, out = self._make(kind, self.program.heads[head], args, lambda: self._probe(shape, args).head)
+            # A controlled head's controls (StepInputs.bias ...) are past the probe's arguments: the call's own.
+            probe = lambda: (*(head_args := self._probe(shape, args).head), *args[len(head_args) :])  # noqa: E731
+            fn, out = self._make(kind, self.program.heads[head], args, probe)
             shape.heads[kind] = fn
             return out
         return fn(*args)
