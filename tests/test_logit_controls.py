@@ -171,8 +171,16 @@ def test_a_controlled_request_never_drafts_and_gets_the_same_tokens(gpt):
     prompt = [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]  # prompt lookup finds drafts here
     p = SamplingParams(max_new_tokens=12, repetition_penalty=1.3)
     assert engine.generate([prompt], p)[0].token_ids == steered_greedy(gpt, prompt, p)
-    plain = engine.generate([prompt], SamplingParams(max_new_tokens=12))
-    assert engine.stats()["speculative"]["draft_tokens"] > 0 and plain  # drafts were made for the free request
+    assert engine.stats()["speculative"]["draft_tokens"] == 0
+    free = SamplingParams(max_new_tokens=12)
+    # Beside a free request that drafts, the controlled one's row in the verify steps takes its controls.
+    both = engine.generate([prompt, prompt], [p, free])
+    assert engine.stats()["speculative"]["verify_steps"] > 0
+    assert both[0].token_ids == steered_greedy(gpt, prompt, p)
+    assert (
+        both[1].token_ids
+        == Engine(gpt, EngineConfig(compile="eager", **ENGINE_CONFIG)).generate([prompt], free)[0].token_ids
+    )
 
 
 @pytest.mark.parametrize(

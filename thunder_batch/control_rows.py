@@ -58,7 +58,7 @@ class ControlRows:
             self.seen[slot, self._ids(request.prompt_ids)] = True
             self.holding[slot] = params.min_tokens > 0
             if self.holding[slot]:
-                self.bias[slot, self._ids(sorted(request.stop_ids))] = float("-inf")
+                self.bias[slot, self._stop_ids(request)] = float("-inf")
         if not has_controls(params):
             return
         new = request.output_ids[self.counted[slot] :]
@@ -72,7 +72,7 @@ class ControlRows:
             self._allow(slot, request.constraint)
         if self.holding[slot] and len(request.output_ids) >= params.min_tokens:
             self.holding[slot] = False  # the stop tokens get their own bias back (0 unless logit_bias sets one)
-            self.bias[slot, self._ids(sorted(request.stop_ids))] = 0.0
+            self.bias[slot, self._stop_ids(request)] = 0.0
             self._set_bias(slot, params.logit_bias)
 
     def _allow(self, slot: int, constraint) -> None:
@@ -88,6 +88,10 @@ class ControlRows:
         if pairs:
             ids, values = zip(*pairs)
             self.bias[slot, self._ids(ids)] = torch.tensor(values, dtype=torch.float32, device=self.device)
+
+    def _stop_ids(self, request) -> torch.Tensor:
+        """Its stop tokens the model can sample (a stop_token_ids entry past the vocabulary never comes)."""
+        return self._ids(sorted(t for t in request.stop_ids if t < self.vocab_size))
 
     def _ids(self, ids) -> torch.Tensor:
         return torch.tensor(list(ids), dtype=torch.int64, device=self.device)
