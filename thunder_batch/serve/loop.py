@@ -9,8 +9,8 @@ Two tasks on the worker's event loop, each handing blocking work to a thread:
   (500) and counts towards the worker's health; an unhealthy worker takes no new requests and probes
   itself with an empty step every PROBE_S until one succeeds.
 With nothing to do, the worker sleeps: its step task on an event, its intake on the shared state's
-arrivals semaphore (see TAKE_WAIT_S). An idle server costs its processes ~0.03 CPU-seconds per 10 s, over
-half of it uvicorn's own 10 Hz tick (benchmarks/idle_server.py).
+arrivals semaphore (see TAKE_WAIT_S). An idle server costs its processes ~0.04 CPU-seconds per 10 s, 40% of
+it uvicorn's own 10 Hz tick (benchmarks/idle_server.py).
 """
 
 from __future__ import annotations

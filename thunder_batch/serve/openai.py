@@ -2,8 +2,8 @@
 
 Pure Python (imports no torch, no web framework). The HTTP side parses a request here, once, into
 the prompts and a validated SamplingParams before it reaches the inference worker; the worker reports
-only prompt-dependent errors (chat template, prompt too long for the cache), which need the
-tokenizer.
+only the errors that need the tokenizer: the chat template, a prompt too long for the cache, and a schema
+or grammar that does not compile (under the request's own field: `ParsedRequest.names`).
 """
 
 from __future__ import annotations
