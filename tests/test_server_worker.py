@@ -444,7 +444,8 @@ def test_an_idle_worker_reads_a_burst_of_requests_together_and_a_busy_one_does_n
 
 def test_an_idle_worker_sleeps_until_a_request_is_announced_and_never_leaves_a_get_pending():
     """Idle, the worker makes one non-blocking get per TAKE_WAIT_S (each a round trip to LitServe's manager
-    process), not one every few ms; an announced request is taken within milliseconds."""
+    process), not one every few ms; an announced request is taken at once, well before the TAKE_WAIT_S a missed
+    wake-up would cost."""
     import queue
     import threading
 
@@ -464,11 +465,11 @@ def test_an_idle_worker_sleeps_until_a_request_is_announced_and_never_leaves_a_g
 
     def announce_later():
         time.sleep(0.3)
+        announced.append(time.perf_counter())  # before the put: the intake may return before this thread runs on
         q.put((0, "r0", 0.0, {"prompts": [[1]]}))
         state.announce_request()
-        announced.append(time.perf_counter())
 
     announced, q.gets = [], 0
     threading.Thread(target=announce_later, daemon=True).start()
     [item] = loop._take_requests(q, state.wait_for_request, room=8, gather_s=0.0)
-    assert item[1] == "r0" and time.perf_counter() - announced[0] < 0.1 and q.gets <= 4
+    assert item[1] == "r0" and time.perf_counter() - announced[0] < 0.5 * TAKE_WAIT_S and q.gets <= 4
