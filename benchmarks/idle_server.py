@@ -23,24 +23,9 @@ import time
 
 import httpx
 import psutil
+from soak import start_server  # benchmarks/soak.py: serve on a port, wait until /health says ok
 
 TARGET_CPU_S_PER_10S = 0.05
-
-
-def start_server(port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "thunder_batch.cli", "serve", "--compile", "eager", "--port", str(port)]
-    cmd += ["--log_level", "warning", "--batch_size", "8", "--max_seq_length", "256"]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).text == "ok":
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not become healthy")
 
 
 def idle_cpu(pid: int, seconds: float) -> dict[str, float]:
@@ -105,7 +90,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18231)
     args = parser.parse_args()
     print("# " + subprocess.run("lscpu | grep Flags", shell=True, capture_output=True, text=True).stdout.strip())
-    proc = start_server(args.port)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the server's processes inherit it: one torch thread
+    serve_args = ["--compile", "eager", "--batch_size", "8", "--max_seq_length", "256"]
+    proc = start_server(args.port, serve_args)
     try:
         used = idle_cpu(proc.pid, args.seconds)
         for role, cpu_s in used.items():
