@@ -6,6 +6,7 @@ random weights for `--layers` layers so nothing stays in cache, at M rows: ms pe
 fraction of the plain read bandwidth, and the speed against float32's packed kernel on the same shapes.
 
     python benchmarks/quantized_linears.py --rows 1,8,64 --formats q8_0,q4_0,q4_1,q4_k,q6_k
+    python benchmarks/quantized_linears.py --rows 1,2,4,8,16 --int8   # each format also on int8 activations
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def best_ms(fn, reps: int) -> float:
     return 1000 * best(fn, reps)
 
 
-def layer_runs(config, layers: int, rows: int, formats: list[str]) -> dict:
+def layer_runs(config, layers: int, rows: int, formats: list[str], int8: bool) -> dict:
     """name -> (a pass over all layers' linears at `rows` rows, weight bytes read by it)."""
     runs = {}
     xs = {i: torch.randn(rows, i) for _, i in shapes(config)}
@@ -50,12 +51,13 @@ def layer_runs(config, layers: int, rows: int, formats: list[str]) -> dict:
             for n, (o, i) in enumerate(shapes(config))
         ]
         blocks = [(b.clone(), i) for _ in range(layers) for b, i in blocks]
-        runs[name] = (
-            lambda blocks=blocks, kind=kind: [
-                torch.ops.thunder_batch.quantized_linear(xs[i], b, None, kind, i) for b, i in blocks
-            ],
-            sum(b.numel() for b, _ in blocks),
-        )
+        for mode in (False, True) if int8 else (False,):
+            runs[name + (" int8" if mode else "")] = (
+                lambda blocks=blocks, kind=kind, mode=mode: [
+                    torch.ops.thunder_batch.quantized_linear(xs[i], b, None, kind, i, mode) for b, i in blocks
+                ],
+                sum(b.numel() for b, _ in blocks),
+            )
     return runs
 
 
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,64")
     parser.add_argument("--formats", default="q8_0,q4_0,q4_1,q4_k,q6_k")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--int8", action="store_true", help="each format also with int8_activations (name int8)")
     args = parser.parse_args()
     config = litgpt.Config.from_name(args.model)
     bandwidth = read_gbps()
@@ -83,7 +86,7 @@ def main() -> None:
     print("| rows | weights | ms per layer | weight GB/s | of plain read | speed vs float32 packed |")
     print("|---|---|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):
-        runs = layer_runs(config, args.layers, rows, args.formats.split(","))
+        runs = layer_runs(config, args.layers, rows, args.formats.split(","), args.int8)
         times = {name: best_ms(fn, args.reps) for name, (fn, _) in runs.items()}
         base = times["float32 packed"]
         for name, (_, nbytes) in runs.items():

@@ -11,6 +11,7 @@ Output tok/s = B x new tokens / wall, prompt time included, both sides.
 
     python benchmarks/quantized_vs_llama_cpp.py --llama_cpp_bin /path/to/llama.cpp/build/bin --formats q8_0,q4_0
     python benchmarks/quantized_vs_llama_cpp.py --llama_cpp_bin ... --gguf FILE.gguf --batches 1,8,64
+    python benchmarks/quantized_vs_llama_cpp.py --llama_cpp_bin ... --int8   # the engine also with int8_activations
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.checkpoints import load_checkpoint
 path, batches, prompt, new = sys.argv[1], [int(b) for b in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
+int8 = sys.argv[5] == "int8"
 model, tok, config = load_checkpoint(path)
 rng = random.Random(0)
 fresh = lambda n, length=prompt: [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
@@ -38,12 +40,12 @@ def wall(engine, prompts, new_tokens):
     return time.perf_counter() - start
 out = {}
 for b in batches:
-    config = EngineConfig(batch_size=b, max_seq_length=prompt + new, prefix_reuse=False)  # llama.cpp: -c 4096
+    config = EngineConfig(batch_size=b, max_seq_length=prompt + new, prefix_reuse=False, int8_activations=int8)
     engine = Engine(model, config, tok)
     wall(engine, fresh(b), new); wall(engine, fresh(b), 1)  # compiles every shape
     full, first = wall(engine, fresh(b), new), wall(engine, fresh(b), 1)
     out[b] = dict(output_tok_s=b * new / full, decode_ms=1000 * (full - first) / (new - 1))
-engine = Engine(model, EngineConfig(batch_size=1, max_seq_length=513, prefix_reuse=False), tok)
+engine = Engine(model, EngineConfig(batch_size=1, max_seq_length=513, prefix_reuse=False, int8_activations=int8), tok)
 wall(engine, fresh(1, 512), 1)
 out["pp512"] = 512 / min(wall(engine, fresh(1, 512), 1) for _ in range(2))
 out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
@@ -69,8 +71,8 @@ def write_file(model_name: str, file_format: str, folder: Path) -> Path:
     return path
 
 
-def run_engine(path: Path, batches: str, prompt: int, new: int) -> dict:
-    args = [sys.executable, "-c", ENGINE_RUN, str(path), batches, str(prompt), str(new)]
+def run_engine(path: Path, batches: str, prompt: int, new: int, int8: bool = False) -> dict:
+    args = [sys.executable, "-c", ENGINE_RUN, str(path), batches, str(prompt), str(new), "int8" if int8 else "exact"]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
 
@@ -110,6 +112,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--folder", type=Path, default=Path("/tmp/quantized_bench"))
     parser.add_argument("--gguf", type=Path, help="an existing GGUF file to run instead (e.g. the bundled Q4_1 one)")
+    parser.add_argument("--int8", action="store_true", help="the engine also with int8_activations (rows 'int8')")
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
     files = {args.gguf.name: args.gguf} if args.gguf else {}
@@ -117,21 +120,26 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for file_format in files or args.formats.split(","):
         path = files.get(file_format) or write_file(args.model, file_format, args.folder)
-        engine = run_engine(path, args.batches, 64, 32)
         peer = run_llama_cpp(args.llama_cpp_bin, path, args.batches, 64, 32)
-        for b in args.batches.split(","):
-            e, p = engine[b], peer[int(b)]
-            ratio = e["output_tok_s"] / p["output_tok_s"]
-            print(
-                f"| {file_format} | {b} | {e['output_tok_s']:.1f} | {p['output_tok_s']:.1f} | {ratio:.2f}x |"
-                f" {e['decode_ms']:.1f} | {p['decode_ms']:.1f} |"
-            )
+        for int8 in (False, True) if args.int8 else (False,):
+            engine = run_engine(path, args.batches, 64, 32, int8)
+            report(file_format + (" int8" if int8 else ""), args.batches, engine, peer, path)
+
+
+def report(file_format: str, batches: str, engine: dict, peer: dict, path: Path) -> None:
+    for b in batches.split(","):
+        e, p = engine[b], peer[int(b)]
+        ratio = e["output_tok_s"] / p["output_tok_s"]
         print(
-            f"| {file_format} | pp512 | {engine['pp512']:.0f} | {peer['pp512']:.0f} | "
-            f"{engine['pp512'] / peer['pp512']:.2f}x | peak RSS engine {engine['peak_rss_gb']:.2f} GB | "
-            f"llama.cpp {peer['peak_rss_gb']:.2f} GB (file {path.stat().st_size / 1e9:.2f} GB) |",
-            flush=True,
+            f"| {file_format} | {b} | {e['output_tok_s']:.1f} | {p['output_tok_s']:.1f} | {ratio:.2f}x |"
+            f" {e['decode_ms']:.1f} | {p['decode_ms']:.1f} |"
         )
+    print(
+        f"| {file_format} | pp512 | {engine['pp512']:.0f} | {peer['pp512']:.0f} | "
+        f"{engine['pp512'] / peer['pp512']:.2f}x | peak RSS engine {engine['peak_rss_gb']:.2f} GB | "
+        f"llama.cpp {peer['peak_rss_gb']:.2f} GB (file {path.stat().st_size / 1e9:.2f} GB) |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def test_bare_switches_mean_true():
 
 
 # The options the commands share, with their defaults: declared once (thunder_batch.cli), listed by every command.
-MODEL_FLAGS = {"checkpoint_dir": "null", "precision": "float32"}
+MODEL_FLAGS = {"checkpoint_dir": "null", "precision": "float32", "int8_activations": "False"}
 ENGINE_FLAGS = {
     **MODEL_FLAGS,
     "batch_size": "8",

@@ -18,7 +18,7 @@ LAYERS = [
         "pure Python",
         ["thunder_batch", "config", "request", "stops", "scheduler", "versions", "detokenize", "chat"]
         + ["fallbacks", "text_encoding", "drafts", "prefix_store", "step_plan", "observe", "intake"]
-        + ["param_error", "logit_controls"],
+        + ["param_error", "logit_controls", "sampling_params"],
     ),
     (
         "torch",
@@ -34,6 +34,7 @@ LAYERS = [
 PURE_NO_TORCH = [  # DESIGN: pure Python, no torch
     "config",
     "param_error",
+    "sampling_params",
     "logit_controls",
     "request",
     "stops",

@@ -174,3 +174,30 @@ def test_random_weights_build_a_named_config_with_the_default_tokenizer():
     assert torch.equal(model.transformer.h[0].mlp.proj.weight, again.transformer.h[0].mlp.proj.weight)
     with pytest.raises(ValueError, match="TinyLlama-1.1B-Chat-v1.0 has 32000 tokens, fewer than"):
         ModelOptions(random_weights="TinyLlama-1.1B-Chat-v1.0").load_model()
+
+
+def test_a_qkv_of_mixed_formats_stays_quantized_part_by_part(tmp_path):
+    """A Q4_K_M file's qkv has q and k in one format and v in another: it loads as a QuantizedParts (each part the
+    file's own blocks, none dequantized), writes back as the same tensors, and the compiled engine on it gives the
+    eager engine's tokens, which are those of the model it was written from."""
+    model = tiny_llama()
+    for block in model.transformer.h:
+        rows = torch.split(block.attn.qkv.weight.detach(), [64, 32, 32])  # q (4 heads of 16), k, v (2 groups)
+        kinds = [quantized.FORMATS[name] for name in ("q4_0", "q4_0", "q8_0")]
+        parts = [quantized.QuantizedLinear(64, len(w), f, quantized.quantize_weight(w, f)) for w, f in zip(rows, kinds)]
+        block.attn.qkv = quantized.QuantizedParts(parts)
+    quantized.quantize_model(model, "q4_0")
+    path = gguf_write.write_gguf(model, tmp_path / "mixed.gguf", "q4_0")
+    loaded, tokenizer, _ = gguf_load.load_gguf(path)
+    qkv = loaded.transformer.h[1].attn.qkv
+    assert isinstance(qkv, quantized.QuantizedParts)
+    assert [quantized.FORMAT_NAMES[p.ggml_type] for p in qkv.parts] == ["q4_0", "q4_0", "q8_0"]
+    assert model.state_dict().keys() == loaded.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+    prompts, params = [[5, 6, 7], [9, 10]], SamplingParams(12, temperature=0)
+    ids = {}
+    for key, gpt, mode in (("source", model, "eager"), ("eager", loaded, "eager"), ("thunder", loaded, "thunder")):
+        engine = Engine(gpt, EngineConfig(batch_size=2, max_seq_length=64, compile=mode), tokenizer)
+        ids[key] = [r.token_ids for r in engine.generate(prompts, params)]
+    assert ids["thunder"] == ids["eager"] == ids["source"] and len(ids["source"][0]) == 12

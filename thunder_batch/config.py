@@ -1,26 +1,31 @@
-"""EngineConfig and SamplingParams: frozen, validated at construction with messages naming the limit."""
+"""EngineConfig: frozen, validated at construction with messages naming the limit (SamplingParams: sampling_params)."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from thunder_batch.constraints import kept_value, normalize_constraint
-from thunder_batch.logit_controls import check_controls
-from thunder_batch.param_error import ParamError, is_int
-from thunder_batch.stops import normalize_stop
+from thunder_batch.param_error import ParamError, is_int, require_int
+from thunder_batch.sampling_params import MAX_LOGPROBS, MAX_SEED, MAX_STOP_LENGTH, SamplingParams, choice_seed
+
+__all__ = [  # SamplingParams and its limits live in sampling_params; imported from here as before
+    "MAX_LOGPROBS",
+    "MAX_SEED",
+    "MAX_STOP_LENGTH",
+    "ContextLengthError",
+    "EngineConfig",
+    "ParamError",
+    "SamplingParams",
+    "StepShape",
+    "choice_seed",
+    "is_chat",
+    "is_int",
+]
 
 COMPILE_MODES = ("thunder", "eager")
 # GGUF formats a float32 model can be quantized to as it loads (quantized.py; the `gguf` package makes them).
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 TRACE_MODES = ("layers", "step")
-MAX_SEED = 2**63 - 1
-MAX_LOGPROBS = 20  # top alternatives per token a step can return (OpenAI's top_logprobs limit)
-MAX_INT64 = 2**63 - 1  # integers the step's int64 tensors hold (top_k above the vocabulary is "off")
-MAX_TEMPERATURE = 100.0  # past this the logits are flat in float32 anyway
-MAX_STOPS = 64  # stop strings and stop token sequences per request
-MAX_STOP_LENGTH = 4096  # characters of a stop string, tokens of a stop sequence
-_MASK64 = 2**64 - 1
 
 
 class ContextLengthError(ValueError):
@@ -45,41 +50,9 @@ def is_chat(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
 
 
-def choice_seed(seed: int, choice: int) -> int:
-    """The RNG seed of choice `choice` of a request whose seed is `seed` (0 <= seed <= MAX_SEED): the
-    seed itself for choice 0 (so choice 0 of n is the request alone), else a splitmix64 hash of
-    (seed, choice) taken into the negative int64 half, which no client seed can reach."""
-    if choice == 0:
-        return seed
-    z = ((seed ^ (choice * 0x9E3779B97F4A7C15 & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return -1 - ((z ^ (z >> 31)) >> 1)  # in [-2**63, -1]
-
-
 def _as_tuple(value):
     """Lists (from JSON or a CLI) as tuples, so the config stays hashable; anything else as it is."""
     return tuple(value) if isinstance(value, list) else value
-
-
-def _require_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
-    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
-        most = "" if maximum is None else f" and <= {maximum}"
-        raise ParamError(name, f"{name} must be an int >= {minimum}{most}, got {_short(value)}")
-
-
-def _short(value) -> str:
-    """repr of a value, cut for a message (a 400-digit number stays readable)."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
-
-
-def _check_stops(strings: tuple, sequences: tuple) -> None:
-    if len(strings) + len(sequences) > MAX_STOPS:
-        raise ParamError("stop", f"at most {MAX_STOPS} stops per request, got {len(strings) + len(sequences)}")
-    longest = max([len(s) for s in strings] + [len(s) for s in sequences], default=0)
-    if longest > MAX_STOP_LENGTH:
-        raise ParamError("stop", f"a stop may be at most {MAX_STOP_LENGTH} characters (or tokens) long, got {longest}")
 
 
 @dataclass(frozen=True)
@@ -139,11 +112,16 @@ class EngineConfig:
     # made from the model's float32 weights when the engine is built (the model is changed in place); None: as
     # loaded (a GGUF file's quantized linears stay quantized either way). float32 activations, CPU.
     quantization: str | None = None
+    # True: quantized linears multiply x rounded to int8 per 32 values (llama.cpp's way: integer dot products,
+    # about twice as fast at one row on 4-bit formats) instead of exact float32 x (quantized_int8.cpp); opt-in, as
+    # the outputs leave the exact path's by x's rounding. It is a switch on the model's quantized linears, which
+    # True or False sets (needs some: a GGUF file or `quantization`); None leaves it as it is (off unless set).
+    int8_activations: bool | None = None
 
     def __post_init__(self) -> None:
-        _require_int("batch_size", self.batch_size, 1)
-        _require_int("max_seq_length", self.max_seq_length, 2)
-        _require_int("prefill_chunk", self.prefill_chunk, 1)
+        require_int("batch_size", self.batch_size, 1)
+        require_int("max_seq_length", self.max_seq_length, 2)
+        require_int("prefill_chunk", self.prefill_chunk, 1)
         if self.prefill_chunk > self.max_seq_length:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must be <= max_seq_length ({self.max_seq_length})")
         self._check_lanes()
@@ -152,12 +130,15 @@ class EngineConfig:
         self.ladder  # noqa: B018  (validates the rungs)
         if not isinstance(self.prefix_reuse, bool):
             raise ParamError("prefix_reuse", f"prefix_reuse must be True or False, got {self.prefix_reuse!r}")
-        _require_int("prefix_copy_min", self.prefix_copy_min, 1)
-        _require_int("prefix_store_mb", self.prefix_store_mb, 0)
+        require_int("prefix_copy_min", self.prefix_copy_min, 1)
+        require_int("prefix_store_mb", self.prefix_store_mb, 0)
         self._check_speculative()
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             choices = ", ".join(QUANTIZATIONS)
             raise ParamError("quantization", f"quantization must be one of {choices}; got {self.quantization!r}")
+        if self.int8_activations is not None and not isinstance(self.int8_activations, bool):
+            message = f"int8_activations must be None, True or False, got {self.int8_activations!r}"
+            raise ParamError("int8_activations", message)
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.trace not in TRACE_MODES:
@@ -168,7 +149,7 @@ class EngineConfig:
     # Fields stay as given (None: a default that follows the other fields, also after dataclasses.replace);
     # the properties below resolve them.
     def _check_lanes(self) -> None:
-        _require_int("prefill_lanes", self.admit_lanes, 0)
+        require_int("prefill_lanes", self.admit_lanes, 0)
         if self.admit_lanes > self.batch_size:
             raise ParamError(
                 "prefill_lanes", f"prefill_lanes ({self.admit_lanes}) must be <= batch_size ({self.batch_size})"
@@ -181,12 +162,12 @@ class EngineConfig:
             )
 
     def _check_speculative(self) -> None:
-        _require_int("speculative_tokens", self.speculative_tokens, 0)
+        require_int("speculative_tokens", self.speculative_tokens, 0)
         if self.speculative_tokens >= self.prefill_chunk:  # a verify lane's pads use a prefill lane's scratch
             message = f"speculative_tokens ({self.speculative_tokens}) must be < prefill_chunk ({self.prefill_chunk})"
             raise ParamError("speculative_tokens", message)
-        _require_int("speculative_ngram_min", self.speculative_ngram_min, 1)
-        _require_int("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)
+        require_int("speculative_ngram_min", self.speculative_ngram_min, 1)
+        require_int("speculative_ngram_max", self.speculative_ngram_max, self.speculative_ngram_min)
 
     @property
     def admit_lanes(self) -> int:
@@ -257,77 +238,3 @@ class EngineConfig:
     def attention_length(self, span: int) -> int:
         """The smallest rung covering cache entries 0 .. span-1."""
         return next(r for r in self.ladder if r >= span)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding settings. temperature 0 is greedy; top_k None/0 and top_p 1 are off.
-    `stop` takes a string, a list of strings, a token-id list, or a list of token-id lists; stop strings
-    need the engine's tokenizer. max_new_tokens None: as many as the slot's cache holds after the prompt
-    (OpenAI's max_tokens left out). Every token's logprob (log_softmax of the raw logits) is kept;
-    `logprobs` k also keeps the k most likely alternatives at each generated token, `prompt_logprobs`
-    k scores the prompt's own tokens (each given those before it) with k alternatives (0 <= k <= 20).
-    Penalties, min_p, min_tokens and logit_bias: see `logit_controls`."""
-
-    max_new_tokens: int | None = 32
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    stop: object = ()
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    # Logit controls (logit_controls.py): off at these values.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logit_bias: object = None  # {token id: bias}; kept as ((id, bias), ...) sorted
-    # Structured output (constraints.py), at most one: a JSON schema (dict or JSON text; kept as canonical
-    # JSON text), a regex, a grammar (Lark or GBNF), or choices (kept as a tuple).
-    json_schema: object = None
-    regex: str | None = None
-    grammar: str | None = None
-    choice: object = None
-    constraint: tuple[str, str] | None = field(init=False, repr=False)  # (kind, text) or None
-    stop_strings: tuple[str, ...] = field(init=False, repr=False)
-    stop_sequences: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens is not None:
-            _require_int("max_new_tokens", self.max_new_tokens, 1, MAX_INT64)
-        temperature = self.temperature
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise ParamError("temperature", f"temperature must be a number, got {_short(temperature)}")
-        if not 0 <= temperature <= MAX_TEMPERATURE:  # compared as Python numbers: a huge int is no overflow
-            message = f"temperature must be a finite number >= 0 and <= {MAX_TEMPERATURE:g}, got {_short(temperature)}"
-            raise ParamError("temperature", message)
-        if self.top_k is not None:
-            _require_int("top_k", self.top_k, 0, MAX_INT64)
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise ParamError("seed", f"seed must be None or an int in [0, {MAX_SEED}], got {self.seed!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise ParamError(name, f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ParamError(
-                "stop_token_ids", f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}"
-            )
-        try:
-            strings, sequences = normalize_stop(self.stop)
-        except ValueError as e:
-            raise ParamError("stop", str(e)) from None
-        _check_stops(strings, sequences)
-        object.__setattr__(self, "logit_bias", check_controls(self))
-        object.__setattr__(self, "constraint", normalize_constraint(self))
-        if self.constraint is not None:  # hashable, and equal for equal schemas
-            object.__setattr__(self, self.constraint[0], kept_value(*self.constraint))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop_strings", strings)
-        object.__setattr__(self, "stop_sequences", sequences)

@@ -2,7 +2,8 @@
 
 Each block linear and the head stored in a format with a native kernel (quantized.FORMATS) becomes a
 QuantizedLinear holding the file's bytes (Q/K rows put back in litgpt's RoPE order, a row permutation that
-leaves blocks whole; q, k and v fused into litgpt's qkv when they share a format; a head tied to the embedding
+leaves blocks whole; q, k and v fused into litgpt's qkv when they share a format, else a QuantizedParts of the
+three; a head tied to the embedding
 takes the embedding's blocks); every other tensor (norms, the embedding, F16/BF16 and formats without a
 kernel) is dequantized to float32 as `gguf_convert` does. The tokenizer and chat template come from the file's
 metadata. `gguf` and `tokenizers` are imported only here.
@@ -139,20 +140,21 @@ def _tensor(t, keep: bool) -> tuple[torch.Tensor, int | None]:
 def _fuse_qkv(i: int, parts: dict[str, tuple], config, state: dict, kinds: dict) -> None:
     if len(parts) != 3:
         raise ValueError(f"block {i} lacks one of attn_q/attn_k/attn_v: found {sorted(parts)}")
-    kind_set = {kind for _, kind in parts.values()}
-    if len(kind_set) != 1:  # formats differ (a Q4_K_M file's Q6_K attn_v): one float32 qkv
-        parts = {name: (_as_float(w, kind, config.n_embd), None) for name, (w, kind) in parts.items()}
-        kind_set = {None}
     q = unpermute_rope_rows(parts["attn_q"][0], config.n_head)  # [H*D, C or row bytes]
     k = unpermute_rope_rows(parts["attn_k"][0], config.n_query_groups)
+    rows = (q, k, parts["attn_v"][0])  # litgpt's cat(q, k, v)
+    formats = tuple(kind for _, kind in parts.values())
     key = f"transformer.h.{i}.attn.qkv"
-    state[f"{key}.weight"] = torch.cat((q, k, parts["attn_v"][0]))  # litgpt's cat(q, k, v)
-    if (kind := kind_set.pop()) is not None:
-        kinds[key] = kind
-
-
-def _as_float(w: torch.Tensor, kind: int | None, in_features: int) -> torch.Tensor:
-    return w if kind is None else quantized.dequantize(w, kind, in_features)
+    if len(set(formats)) == 1:
+        state[f"{key}.weight"] = torch.cat(rows)
+        if formats[0] is not None:
+            kinds[key] = formats[0]
+    elif None not in formats:  # formats differ (a Q4_K_M file's Q6_K attn_v): each part kept in its own
+        kinds[key] = formats
+        state |= {f"{key}.parts.{j}.weight": part for j, part in enumerate(rows)}
+    else:  # a part without a kernel: all float32
+        rows = [w if f is None else quantized.dequantize(w, f, config.n_embd) for w, f in zip(rows, formats)]
+        state[f"{key}.weight"] = torch.cat(rows)
 
 
 def _build(config: litgpt.Config, kinds: dict[str, int], state: dict, device) -> litgpt.GPT:
@@ -162,14 +164,25 @@ def _build(config: litgpt.Config, kinds: dict[str, int], state: dict, device) ->
         model = litgpt.GPT(config)
         for path, kind in kinds.items():
             parent_name, _, leaf = path.rpartition(".")
-            linear = model.get_submodule(path)
-            weight = torch.empty(state[f"{path}.weight"].shape, dtype=torch.uint8)
-            bias = None if linear.bias is None else torch.empty(linear.out_features)
             setattr(
-                model.get_submodule(parent_name),
-                leaf,
-                quantized.QuantizedLinear(linear.in_features, linear.out_features, kind, weight, bias),
+                model.get_submodule(parent_name), leaf, _quantized_module(model.get_submodule(path), path, kind, state)
             )
     model.load_state_dict(state, strict=True, assign=True)
     model.cos, model.sin = model.rope_cache(device=torch.device("cpu"))  # litgpt's RoPE buffers, not in the state
     return model.to(device)
+
+
+def _quantized_module(linear, path: str, kind: int | tuple[int, ...], state: dict):
+    """The QuantizedLinear (or, for a tuple of formats, the QuantizedParts) taking `linear`'s place, its weights
+    empty: `state`'s are assigned to them."""
+    if isinstance(kind, tuple):
+        weights = [state[f"{path}.parts.{j}.weight"] for j in range(len(kind))]
+        return quantized.QuantizedParts(
+            [
+                quantized.QuantizedLinear(linear.in_features, w.shape[0], f, torch.empty(w.shape, dtype=torch.uint8))
+                for w, f in zip(weights, kind)
+            ]
+        )
+    weight = torch.empty(state[f"{path}.weight"].shape, dtype=torch.uint8)
+    bias = None if linear.bias is None else torch.empty(linear.out_features)
+    return quantized.QuantizedLinear(linear.in_features, linear.out_features, kind, weight, bias)

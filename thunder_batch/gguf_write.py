@@ -100,10 +100,14 @@ def _tensors(gpt, file_format: str):
                 yield f"blk.{i}.{name}.weight", _f32(module.weight), None
             else:
                 yield (f"blk.{i}.{name}.weight", *_linear(module, file_format))
-        q, k, v = _qkv_rows(block.attn.qkv, config)
-        for name, rows, heads in (("attn_q", q, config.n_head), ("attn_k", k, config.n_query_groups)):
-            yield (f"blk.{i}.{name}.weight", *_rows(permute_rope_rows(rows, heads), block.attn.qkv, file_format))
-        yield (f"blk.{i}.attn_v.weight", *_rows(v, block.attn.qkv, file_format))
+        qkv = block.attn.qkv
+        q, k, v = _qkv_rows(qkv, config)
+        owners = list(qkv.parts) if isinstance(qkv, quantized.QuantizedParts) else [qkv] * 3
+        for name, rows, heads, owner in zip(
+            ("attn_q", "attn_k"), (q, k), (config.n_head, config.n_query_groups), owners
+        ):
+            yield (f"blk.{i}.{name}.weight", *_rows(permute_rope_rows(rows, heads), owner, file_format))
+        yield (f"blk.{i}.attn_v.weight", *_rows(v, owners[2], file_format))
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
@@ -111,7 +115,9 @@ def _f32(t: torch.Tensor) -> np.ndarray:
 
 
 def _qkv_rows(qkv, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """litgpt's fused qkv rows (cat(q, k, v)), as float32 weights or as blocks."""
+    """litgpt's fused qkv rows (cat(q, k, v)), as float32 weights or as blocks (a QuantizedParts': its parts')."""
+    if isinstance(qkv, quantized.QuantizedParts):
+        return tuple(part.weight.detach() for part in qkv.parts)
     q_rows, kv_rows = config.n_head * config.head_size, config.n_query_groups * config.head_size
     return torch.split(qkv.weight.detach(), [q_rows, kv_rows, kv_rows])
 

@@ -5,7 +5,8 @@ which eager code runs as the `gguf` package's dequantization followed by a float
 which the project's Thunder executor claims and runs as the native kernel reading the blocks in place
 (native/quantized_linear.cpp: the same products, summed in another order). Activations stay float32.
 
-`quantize_model` turns a litgpt GPT's block linears into QuantizedLinears of one format with the `gguf`
+A `QuantizedParts` is a linear whose rows come in parts of different formats (a GGUF qkv whose v is not in q's
+format). `quantize_model` turns a litgpt GPT's block linears into QuantizedLinears of one format with the `gguf`
 package's quantizers (those it has: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), the head too; GGUF files bring any of the formats
 above (gguf_load.quantized_state). The embedding stays float32 (a step reads only its rows).
 """
@@ -36,14 +37,27 @@ def block_size(ggml_type: int) -> tuple[int, int]:
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
 
 
-def quantized_linear(x, weight, bias, ggml_type: int, in_features: int) -> torch.Tensor:
+def quantized_linear(x, weight, bias, ggml_type: int, in_features: int, int8_activations: bool = False):
     """x [..., in] float32 @ dequantize(weight).T (+ bias) -> [..., out]; weight: uint8 [out, row bytes] of
-    ggml type `ggml_type`. The project's executor replaces this call by the native kernel (compile.
-    project_executor); under a torch function mode (the load check's eager side) the mode may do the same."""
+    ggml type `ggml_type`. With `int8_activations`, x is first rounded to int8 blocks (`int8_round_trip`): the
+    native kernel then multiplies integers. The project's executor replaces this call by the native kernel
+    (compile.project_executor); under a torch function mode (the load check's eager side) the mode may do the same."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if has_torch_function(tensors):
-        return handle_torch_function(quantized_linear, tensors, x, weight, bias, ggml_type, in_features)
+        args = (x, weight, bias, ggml_type, in_features, int8_activations)
+        return handle_torch_function(quantized_linear, tensors, *args)
+    if int8_activations:
+        x = int8_round_trip(x)
     return F.linear(x, dequantize(weight, ggml_type, in_features), bias)
+
+
+def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] float32 (in a multiple of 32) -> each 32 values as llama.cpp's int8 blocks make them and read back:
+    d = max|x| / 127, round(x * (1 / d)) * d, ties to even (the native kernel's rounding: the same values)."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
 
 
 def dequantize(weight: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
@@ -90,6 +104,7 @@ class QuantizedLinear(nn.Module):
             got = f"{weight.dtype} {list(weight.shape)}"
             raise ValueError(f"quantized weight must be uint8 {list(expected)}, got {got}")
         self.in_features, self.out_features, self.ggml_type = in_features, out_features, ggml_type
+        self.int8_activations = False  # the integer path (set_int8_activations, EngineConfig.int8_activations)
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32), requires_grad=False)
 
@@ -99,11 +114,27 @@ class QuantizedLinear(nn.Module):
         return cls(linear.in_features, linear.out_features, ggml_type, weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(x, self.weight, self.bias, self.ggml_type, self.in_features)
+        return quantized_linear(x, self.weight, self.bias, self.ggml_type, self.in_features, self.int8_activations)
 
-    def extra_repr(self) -> str:
+    def extra_repr(self) -> str:  # part of the compile cache's key
         kind = FORMAT_NAMES.get(self.ggml_type, self.ggml_type)
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={kind}"
+        int8 = ", int8_activations=True" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={kind}{int8}"
+
+
+class QuantizedParts(nn.Module):
+    """A linear whose output rows come in parts of different formats, each a QuantizedLinear (a Q4_K_M file's qkv:
+    q and k in Q4_K, v in Q6_K): the parts' outputs side by side, [..., sum of out_features]."""
+
+    def __init__(self, parts: list[QuantizedLinear]):
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1 or any(p.bias is not None for p in parts):
+            raise ValueError("the parts of a linear share in_features and have no bias")
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 def format_id(name: str, *, to_make: bool = False) -> int:
@@ -133,6 +164,13 @@ def quantize_model(gpt, name: str) -> int:
     return done
 
 
+def set_int8_activations(gpt, on: bool) -> None:
+    """Switches the model's quantized linears to (or off) the integer path: x rounded to int8 per 32 values."""
+    for linear in gpt.modules():
+        if isinstance(linear, QuantizedLinear):
+            linear.int8_activations = on and linear.in_features % 32 == 0
+
+
 def is_quantized(gpt) -> bool:
     return any(isinstance(m, QuantizedLinear) for m in gpt.modules())
 
@@ -142,7 +180,12 @@ def check_quantized(gpt, config) -> None:
     on CPU, float32, and (compiled) with the project's executor and its native kernels. ValueError naming why."""
     if config.quantization is not None:
         quantize_model(gpt, config.quantization)
-    if not is_quantized(gpt):
+    linears = [m for m in gpt.modules() if isinstance(m, QuantizedLinear)]
+    if config.int8_activations and not linears:
+        raise ValueError("int8_activations needs quantized linears: a GGUF file or EngineConfig(quantization=...)")
+    if config.int8_activations is not None:
+        set_int8_activations(gpt, config.int8_activations)
+    if not linears:
         return
     device, dtype = gpt.transformer.wte.weight.device, gpt.transformer.wte.weight.dtype
     if device.type != "cpu" or dtype != torch.float32:

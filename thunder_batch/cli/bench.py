@@ -43,13 +43,11 @@ def bench(**flags) -> None:
     from thunder_batch.bench.run import run_benchmark
     from thunder_batch.bench.speculative import parse_ks, run_speculative_benchmark
     from thunder_batch.chat import prompt_style_for
-    from thunder_batch.quantized import quantize_model
 
     command = BenchFlags(**flags)  # the engine's shape options are bench's own: it sweeps batch sizes
     options = command.bench_options()
     gpt, tokenizer, config, checkpoint_dir = command.load_model(options.device)
-    if command.quantization is not None:  # every system runs the same quantized weights
-        quantize_model(gpt, command.quantization)
+    command.quantize(gpt)  # every system runs the same quantized linears
     if options.dataset in PREFIX_DATASETS:
         run_prefix_benchmark(gpt, tokenizer, options)
         return
@@ -59,4 +57,5 @@ def bench(**flags) -> None:
         return
     label = command.random_weights or Path(checkpoint_dir).name
     label += f" {command.quantization}" if command.quantization else ""
+    label += " int8 activations" if command.int8_activations else ""
     run_benchmark(gpt, tokenizer, prompt_style, options=options, model_label=label)

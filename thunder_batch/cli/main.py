@@ -24,7 +24,7 @@ REPEATABLE_FLAGS = ("--prompt", "--chat", "--stop")
 
 
 # Switches that may stand alone (`--list` means `--list true`).
-SWITCH_FLAGS = ("--list", "--clear", "--ignore_eos", "--profile", "--warm_compile", "--progress")
+SWITCH_FLAGS = ("--list", "--clear", "--ignore_eos", "--profile", "--warm_compile", "--progress", "--int8_activations")
 
 
 def normalize_flags(argv: list[str]) -> list[str]:

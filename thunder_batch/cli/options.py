@@ -24,12 +24,15 @@ class ModelOptions:
         quantization: Keep the block linears and the head as GGUF quantized blocks of this format (q8_0, q4_0,
             q4_1, q5_0, q5_1), made from the float32 weights as they load (CPU, float32 activations). A .gguf
             checkpoint's quantized linears stay quantized without it.
+        int8_activations: Quantized linears multiply activations rounded to int8 per 32 values by integer dot
+            products (llama.cpp's way: faster at few rows; outputs no longer exact to the file's weights).
     """
 
     checkpoint_dir: Path | None = None
     precision: Literal["float32", "bfloat16"] = "float32"
     random_weights: str | None = None
     quantization: Literal["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] | None = None
+    int8_activations: bool = False
 
     @property
     def dtype(self):
@@ -45,6 +48,17 @@ class ModelOptions:
             return random_weights_model(self.random_weights, self.dtype, device)
         checkpoint_dir = default_checkpoint_dir() if self.checkpoint_dir is None else self.checkpoint_dir
         return (*load_checkpoint(checkpoint_dir, dtype=self.dtype, device=device), checkpoint_dir)
+
+    def quantize(self, gpt) -> None:
+        """The model's linears as --quantization and --int8_activations ask, before any engine is built (bench: so
+        every system runs the same linears; the others pass them in the EngineConfig)."""
+        from thunder_batch import quantized
+
+        if self.quantization is not None:
+            quantized.quantize_model(gpt, self.quantization)
+        if self.int8_activations and not quantized.is_quantized(gpt):
+            raise ValueError("--int8_activations needs quantized linears: a GGUF file or --quantization")
+        quantized.set_int8_activations(gpt, self.int8_activations)
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,7 @@ class EngineOptions(ModelOptions):
             prefix_store_mb=self.prefix_store_mb,
             speculative_tokens=self.speculative_tokens,
             quantization=self.quantization,
+            int8_activations=self.int8_activations,
         )
 
     def load_engine(self, device="cpu"):

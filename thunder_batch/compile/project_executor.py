@@ -173,9 +173,10 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return kernel(x, packed, bias, w.shape[0])
 
 
-def native_quantized_linear(x, weight, bias, ggml_type: int, in_features: int) -> torch.Tensor:
+def native_quantized_linear(x, weight, bias, ggml_type: int, in_features: int, int8_activations: bool = False):
     """`quantized.quantized_linear` on the native kernel, reading the quantized blocks in place."""
-    return torch.ops.thunder_batch.quantized_linear.default(x, weight, bias, ggml_type, in_features)
+    args = (x, weight, bias, ggml_type, in_features, int8_activations)
+    return torch.ops.thunder_batch.quantized_linear.default(*args)
 
 
 def decode_block(*args) -> torch.Tensor:
@@ -291,5 +292,5 @@ def _linear_meta(x, w, bias=None):
     return TensorProxy(like=x, shape=(*x.shape[:-1], w.shape[0]))
 
 
-def _quantized_meta(x, w, bias, ggml_type: int, in_features: int):
+def _quantized_meta(x, w, bias, ggml_type: int, in_features: int, int8_activations: bool = False):
     return _linear_meta(x, w, bias)

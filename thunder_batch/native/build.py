@@ -33,12 +33,13 @@ SOURCES = [
         "decode_stack.cpp",
         "work_sharing.cpp",
         "quantized_linear.cpp",
+        "quantized_int8.cpp",
     )
 ]
 # Included by the sources: part of the build's name.
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("ops.h", "packed_tiles.h", "quant_blocks.h", "vector_avx2.h", "work_sharing.h")
+    for name in ("ops.h", "packed_tiles.h", "quant_blocks.h", "quant_int8.h", "vector_avx2.h", "work_sharing.h")
 ]
 # -fopenmp: torch's own libgomp has the same soname, so the kernels share its OpenMP thread pool.
 # No -m flags: each kernel names its instruction set (AVX-512F, AVX512-BF16, AVX2 + FMA) and the fp32

@@ -25,6 +25,20 @@ QAVX2 QINLINE float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+QAVX2 QINLINE float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+// A granule as integers for the int8 path (quantized_int8.cpp): weight j is a[j / 16] * q[j] + m, q int8 (the
+// unsigned formats' q is 0..31, so it may be the unsigned side of a byte product as it is).
+struct Ints {
+  __m256i q;
+  float a[2];
+  float m;
+};
+
 // 32 bytes (signed) widened to four ymm of float32, elements 0-7, 8-15, 16-23, 24-31.
 QAVX2 QINLINE void widen32(__m128i low, __m128i high, __m256 w[4]) {
   w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(low));
@@ -62,6 +76,11 @@ QAVX2 QINLINE __m256i fifth_bits(const uint8_t* qh) {
 
 struct Q8_0 {
   static constexpr int kElems = 32, kBytes = 34;
+  static constexpr bool kUnsigned = false;
+  QAVX2 QINLINE static void ints(const uint8_t* b, int, Ints& k) {
+    k.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    k.a[0] = k.a[1] = half_at(b), k.m = 0.f;
+  }
   QAVX2 QINLINE static void granule(const uint8_t* b, int, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(half_at(b));
     for (int j = 0; j < 4; ++j) {
@@ -73,6 +92,11 @@ struct Q8_0 {
 
 struct Q4_0 {
   static constexpr int kElems = 32, kBytes = 18;
+  static constexpr bool kUnsigned = false;
+  QAVX2 QINLINE static void ints(const uint8_t* b, int, Ints& k) {
+    k.q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+    k.a[0] = k.a[1] = half_at(b), k.m = 0.f;
+  }
   QAVX2 QINLINE static void granule(const uint8_t* b, int, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(half_at(b));
     widen32(_mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)), w);
@@ -82,6 +106,11 @@ struct Q4_0 {
 
 struct Q4_1 {
   static constexpr int kElems = 32, kBytes = 20;
+  static constexpr bool kUnsigned = true;
+  QAVX2 QINLINE static void ints(const uint8_t* b, int, Ints& k) {
+    k.q = nibbles32(b + 4);
+    k.a[0] = k.a[1] = half_at(b), k.m = half_at(b + 2);
+  }
   QAVX2 QINLINE static void granule(const uint8_t* b, int, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
     widen32(nibbles32(b + 4), w);
@@ -91,6 +120,11 @@ struct Q4_1 {
 
 struct Q5_0 {
   static constexpr int kElems = 32, kBytes = 22;
+  static constexpr bool kUnsigned = false;
+  QAVX2 QINLINE static void ints(const uint8_t* b, int, Ints& k) {
+    k.q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)), _mm256_set1_epi8(16));
+    k.a[0] = k.a[1] = half_at(b), k.m = 0.f;
+  }
   QAVX2 QINLINE static void granule(const uint8_t* b, int, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(half_at(b));
     const __m256i q = _mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2));
@@ -101,6 +135,11 @@ struct Q5_0 {
 
 struct Q5_1 {
   static constexpr int kElems = 32, kBytes = 24;
+  static constexpr bool kUnsigned = true;
+  QAVX2 QINLINE static void ints(const uint8_t* b, int, Ints& k) {
+    k.q = _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4));
+    k.a[0] = k.a[1] = half_at(b), k.m = half_at(b + 2);
+  }
   QAVX2 QINLINE static void granule(const uint8_t* b, int, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
     widen32(_mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4)), w);
@@ -127,8 +166,19 @@ QAVX2 QINLINE void scaled_k4(const uint8_t* b, int s, __m256i q, __m256 w[4]) {
   for (int j = 0; j < 4; ++j) w[j] = _mm256_sub_ps(_mm256_mul_ps(ds, w[j]), dm);
 }
 
+// Q4_K/Q5_K as integers: a = d * scale, m = -(dmin * min).
+QAVX2 QINLINE void k4_ints(const uint8_t* b, int s, __m256i q, Ints& k) {
+  int scale, min;
+  scale_min_k4(b + 4, s, scale, min);
+  k.q = q, k.a[0] = k.a[1] = half_at(b) * float(scale), k.m = -(half_at(b + 2) * float(min));
+}
+
 struct Q4_K {
   static constexpr int kElems = 256, kBytes = 144;
+  static constexpr bool kUnsigned = true;
+  QAVX2 QINLINE static void ints(const uint8_t* b, int s, Ints& k) {
+    k4_ints(b, s, bits32(b + 16 + 32 * (s / 2), 4 * (s % 2), 0xF), k);
+  }
   QAVX2 QINLINE static void granule(const uint8_t* b, int s, __m256 w[4]) {
     scaled_k4(b, s, bits32(b + 16 + 32 * (s / 2), 4 * (s % 2), 0xF), w);
   }
@@ -136,6 +186,11 @@ struct Q4_K {
 
 struct Q5_K {
   static constexpr int kElems = 256, kBytes = 176;
+  static constexpr bool kUnsigned = true;
+  QAVX2 QINLINE static void ints(const uint8_t* b, int s, Ints& k) {
+    const __m256i high = _mm256_slli_epi16(bits32(b + 16, s, 1), 4);
+    k4_ints(b, s, _mm256_or_si256(bits32(b + 48 + 32 * (s / 2), 4 * (s % 2), 0xF), high), k);
+  }
   QAVX2 QINLINE static void granule(const uint8_t* b, int s, __m256 w[4]) {
     const __m256i high = _mm256_slli_epi16(bits32(b + 16, s, 1), 4);
     scaled_k4(b, s, _mm256_or_si256(bits32(b + 48 + 32 * (s / 2), 4 * (s % 2), 0xF), high), w);
@@ -144,6 +199,16 @@ struct Q5_K {
 
 struct Q6_K {
   static constexpr int kElems = 256, kBytes = 210;
+  static constexpr bool kUnsigned = false;
+  QAVX2 QINLINE static void ints(const uint8_t* b, int s, Ints& k) {
+    const int half = s / 4, quarter = s % 4;
+    const __m256i low = bits32(b + 64 * half + 32 * (quarter % 2), 4 * (quarter / 2), 0xF);
+    const __m256i high = _mm256_slli_epi16(bits32(b + 128 + 32 * half, 2 * quarter, 3), 4);
+    k.q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    k.a[0] = d * float(scales[2 * s]), k.a[1] = d * float(scales[2 * s + 1]), k.m = 0.f;
+  }
   QAVX2 QINLINE static void granule(const uint8_t* b, int s, __m256 w[4]) {
     const int half = s / 4, quarter = s % 4;
     const __m256i low = bits32(b + 64 * half + 32 * (quarter % 2), 4 * (quarter / 2), 0xF);
@@ -156,6 +221,13 @@ struct Q6_K {
     w[2] = _mm256_mul_ps(second, w[2]), w[3] = _mm256_mul_ps(second, w[3]);
   }
 };
+
+// Granule g of a quantized row as integers.
+template <class F>
+QAVX2 QINLINE void ints_at(const uint8_t* row, int64_t g, Ints& k) {
+  constexpr int per_block = F::kElems / 32;
+  F::ints(row + (g / per_block) * F::kBytes, int(g % per_block), k);
+}
 
 // Granule g (weights 32g..32g+31) of a quantized row.
 template <class F>

@@ -21,10 +21,12 @@
 // The dequantized weights must round as the `gguf` package's do: never fuse a product and a sum.
 #pragma GCC optimize("fp-contract=off")
 #include "quant_blocks.h"
+#include "quant_int8.h"
 
 namespace {
 
 using quant::granule_at;
+using quant::hsum;
 
 // At most this many rows of x run on the register path; more widen each 16 outputs once into L2.
 constexpr int64_t kDirectRows = 16;
@@ -32,12 +34,6 @@ constexpr int64_t kDirectRows = 16;
 template <class F>
 QAVX2 QINLINE int64_t row_bytes(int64_t I) {
   return I / F::kElems * F::kBytes;
-}
-
-QAVX2 QINLINE float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
 }
 
 // R rows of x [R, I] against one quantized row: y[r * ldy] = x[r] . w. A accumulators a row keep at least four FMA
@@ -142,18 +138,30 @@ void check_weight(const at::Tensor& w, int64_t type, int64_t I, const char* op) 
               op, ": a contiguous uint8 CPU weight [out, ", I / elems * bytes, "] of ggml type ", type);
 }
 
+// int8_activations: up to kDirectRows rows by integer dot products (quantized_int8.cpp); more rows multiply the
+// same rounded x on the float32 path, so every row count computes the same thing.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                            int64_t type, int64_t in_features) {
+                            int64_t type, int64_t in_features, bool int8_activations) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.size(-1) == in_features,
               "quantized_linear: float32 CPU input [..., ", in_features, "]");
   check_weight(w, type, in_features, "quantized_linear");
   const int64_t I = in_features, O = w.size(0);
-  const at::Tensor x2 = x.reshape({-1, I}).contiguous();
+  TORCH_CHECK(!int8_activations || I % 32 == 0, "quantized_linear: int8_activations needs in_features in 32s");
+  at::Tensor x2 = x.reshape({-1, I}).contiguous();
   const int64_t M = x2.size(0);
   at::Tensor y = at::empty({M, O}, x.options());
-  quant::with_format(type, [&](auto f) {
-    linear_rows<decltype(f)>(x2.data_ptr<float>(), M, I, w.data_ptr<uint8_t>(), y.data_ptr<float>(), O);
-  });
+  if (int8_activations && M <= kDirectRows) {
+    quant::int8_linear_rows(type, x2.data_ptr<float>(), M, I, w.data_ptr<uint8_t>(), y.data_ptr<float>(), O);
+  } else {
+    if (int8_activations) {
+      at::Tensor rounded = at::empty_like(x2);
+      quant::int8_round_trip(x2.data_ptr<float>(), x2.numel(), rounded.data_ptr<float>());
+      x2 = rounded;
+    }
+    quant::with_format(type, [&](auto f) {
+      linear_rows<decltype(f)>(x2.data_ptr<float>(), M, I, w.data_ptr<uint8_t>(), y.data_ptr<float>(), O);
+    });
+  }
   if (bias.has_value()) y.add_(*bias);
   auto shape = x.sizes().vec();
   shape.back() = O;
@@ -185,7 +193,9 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t in_features) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(thunder_batch, m) {
-  m.def("quantized_linear(Tensor x, Tensor w, Tensor? bias, int ggml_type, int in_features) -> Tensor");
+  m.def(
+      "quantized_linear(Tensor x, Tensor w, Tensor? bias, int ggml_type, int in_features, bool int8_activations=False)"
+      " -> Tensor");
   m.def("dequantize(Tensor w, int ggml_type, int in_features) -> Tensor");
 }
 
