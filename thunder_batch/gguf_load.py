@@ -1,12 +1,11 @@
 """Load a llama-architecture GGUF file (llama.cpp's) straight into a litgpt GPT, its linears kept quantized.
 
-Each block linear and the head stored in a format with a native kernel (quantized.FORMATS) becomes a
-QuantizedLinear holding the file's bytes (Q/K rows put back in litgpt's RoPE order, a row permutation that
-leaves blocks whole; q, k and v fused into litgpt's qkv when they share a format, else a QuantizedParts of the
-three; a head tied to the embedding
-takes the embedding's blocks); every other tensor (norms, the embedding, F16/BF16 and formats without a
-kernel) is dequantized to float32 as `gguf_convert` does. The tokenizer and chat template come from the file's
-metadata. `gguf` and `tokenizers` are imported only here.
+Each block linear and the head stored in a format with a native kernel (quantized.FORMATS: the quantized blocks,
+and F16/BF16 as they are) becomes a QuantizedLinear holding the file's bytes (Q/K rows put back in litgpt's RoPE
+order, a row permutation that leaves blocks whole; q, k and v fused into litgpt's qkv when they share a format,
+else a QuantizedParts of the three; a head tied to the embedding takes the embedding's blocks); every other
+tensor (norms, the embedding, formats without a kernel) is dequantized to float32 as `gguf_convert` does. The
+tokenizer and chat template come from the file's metadata. `gguf` and `tokenizers` are imported only here.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import gguf
 import litgpt
+import numpy as np
 import torch
 
 from thunder_batch import gguf_convert, quantized
@@ -131,9 +131,10 @@ def quantized_state(reader, config: litgpt.Config, keep: bool = True) -> tuple[d
 def _tensor(t, keep: bool) -> tuple[torch.Tensor, int | None]:
     """A GGUF tensor as (its bytes [out, row bytes], ggml type) where kept quantized, else (float32, None)."""
     kind = int(t.tensor_type)
-    if keep and kind in quantized.FORMAT_NAMES:
-        # The file's own pages (copy-on-write): resident once, as llama.cpp's mmap, and written only if edited.
-        return torch.from_numpy(t.data), kind
+    if keep and kind in quantized.FORMAT_NAMES and t.data.ndim == 2:  # a matrix (F16 norms are vectors)
+        # The file's own pages (copy-on-write): resident once, as llama.cpp's mmap, and written only if edited. As
+        # bytes [rows, row bytes] (the reader gives F16 as float16 [rows, in]).
+        return torch.from_numpy(t.data.view(np.uint8)), kind
     return gguf_convert._dequantize(t), None
 
 

@@ -1,4 +1,5 @@
-"""Linears whose weights stay in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
+"""Linears whose weights stay in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), or in its
+F16/BF16 as they are.
 
 A `QuantizedLinear` holds its weight as the file's bytes, uint8 [out, row bytes], and calls `quantized_linear`,
 which eager code runs as the `gguf` package's dequantization followed by a float32 `F.linear` (the oracle), and
@@ -22,7 +23,21 @@ from torch.overrides import handle_torch_function, has_torch_function
 from thunder_batch.config import QUANTIZATIONS
 
 # Name (as in --quantization and llama.cpp's file types) -> ggml type id (gguf.GGMLQuantizationType).
-FORMATS = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+FORMATS = {
+    "q8_0": 8,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q4_k": 12,
+    "q5_k": 13,
+    "q6_k": 14,
+    "f16": 1,
+    "bf16": 30,
+}
+# Float formats a GGUF's linears may keep (2 bytes a weight, widened exactly); the others are quantized blocks, which
+# the integer path (int8_activations) also reads.
+FLOAT_FORMATS = ("f16", "bf16")
 # Formats the `gguf` package can make from float32 weights (the K-quants come only from files).
 QUANTIZABLE = QUANTIZATIONS
 FORMAT_NAMES = {v: k for k, v in FORMATS.items()}
@@ -168,7 +183,7 @@ def set_int8_activations(gpt, on: bool) -> None:
     """Switches the model's quantized linears to (or off) the integer path: x rounded to int8 per 32 values."""
     for linear in gpt.modules():
         if isinstance(linear, QuantizedLinear):
-            linear.int8_activations = on and linear.in_features % 32 == 0
+            linear.int8_activations = on and FORMAT_NAMES[linear.ggml_type] not in FLOAT_FORMATS
 
 
 def is_quantized(gpt) -> bool:
@@ -208,7 +223,9 @@ def random_blocks(name: str, out_features: int, in_features: int, seed: int = 0)
 
     rng = np.random.default_rng(seed)
     kind = gguf.GGMLQuantizationType(FORMATS[name])
-    if name in QUANTIZABLE:
+    if name == "f16":
+        return rng.standard_normal((out_features, in_features)).astype(np.float16).view(np.uint8)
+    if name in QUANTIZABLE or name == "bf16":
         return gguf.quants.quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), kind)
     weights, nbytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = rng.integers(0, 256, (out_features, in_features // weights, nbytes), dtype=np.uint8)

@@ -32,7 +32,8 @@ QAVX2 QINLINE float hsum(__m256 v) {
 }
 
 // A granule as integers for the int8 path (quantized_int8.cpp): weight j is a[j / 16] * q[j] + m, q int8 (the
-// unsigned formats' q is 0..31, so it may be the unsigned side of a byte product as it is).
+// unsigned formats' q is 0..31, so it may be the unsigned side of a byte product as it is); a[0] == a[1] but in
+// the formats with kTwoScales (Q6_K: a scale per 16 weights).
 struct Ints {
   __m256i q;
   float a[2];
@@ -76,7 +77,7 @@ QAVX2 QINLINE __m256i fifth_bits(const uint8_t* qh) {
 
 struct Q8_0 {
   static constexpr int kElems = 32, kBytes = 34;
-  static constexpr bool kUnsigned = false;
+  static constexpr bool kUnsigned = false, kTwoScales = false;
   QAVX2 QINLINE static void ints(const uint8_t* b, int, Ints& k) {
     k.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
     k.a[0] = k.a[1] = half_at(b), k.m = 0.f;
@@ -92,7 +93,7 @@ struct Q8_0 {
 
 struct Q4_0 {
   static constexpr int kElems = 32, kBytes = 18;
-  static constexpr bool kUnsigned = false;
+  static constexpr bool kUnsigned = false, kTwoScales = false;
   QAVX2 QINLINE static void ints(const uint8_t* b, int, Ints& k) {
     k.q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
     k.a[0] = k.a[1] = half_at(b), k.m = 0.f;
@@ -106,7 +107,7 @@ struct Q4_0 {
 
 struct Q4_1 {
   static constexpr int kElems = 32, kBytes = 20;
-  static constexpr bool kUnsigned = true;
+  static constexpr bool kUnsigned = true, kTwoScales = false;
   QAVX2 QINLINE static void ints(const uint8_t* b, int, Ints& k) {
     k.q = nibbles32(b + 4);
     k.a[0] = k.a[1] = half_at(b), k.m = half_at(b + 2);
@@ -120,7 +121,7 @@ struct Q4_1 {
 
 struct Q5_0 {
   static constexpr int kElems = 32, kBytes = 22;
-  static constexpr bool kUnsigned = false;
+  static constexpr bool kUnsigned = false, kTwoScales = false;
   QAVX2 QINLINE static void ints(const uint8_t* b, int, Ints& k) {
     k.q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)), _mm256_set1_epi8(16));
     k.a[0] = k.a[1] = half_at(b), k.m = 0.f;
@@ -135,7 +136,7 @@ struct Q5_0 {
 
 struct Q5_1 {
   static constexpr int kElems = 32, kBytes = 24;
-  static constexpr bool kUnsigned = true;
+  static constexpr bool kUnsigned = true, kTwoScales = false;
   QAVX2 QINLINE static void ints(const uint8_t* b, int, Ints& k) {
     k.q = _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4));
     k.a[0] = k.a[1] = half_at(b), k.m = half_at(b + 2);
@@ -175,7 +176,7 @@ QAVX2 QINLINE void k4_ints(const uint8_t* b, int s, __m256i q, Ints& k) {
 
 struct Q4_K {
   static constexpr int kElems = 256, kBytes = 144;
-  static constexpr bool kUnsigned = true;
+  static constexpr bool kUnsigned = true, kTwoScales = false;
   QAVX2 QINLINE static void ints(const uint8_t* b, int s, Ints& k) {
     k4_ints(b, s, bits32(b + 16 + 32 * (s / 2), 4 * (s % 2), 0xF), k);
   }
@@ -186,7 +187,7 @@ struct Q4_K {
 
 struct Q5_K {
   static constexpr int kElems = 256, kBytes = 176;
-  static constexpr bool kUnsigned = true;
+  static constexpr bool kUnsigned = true, kTwoScales = false;
   QAVX2 QINLINE static void ints(const uint8_t* b, int s, Ints& k) {
     const __m256i high = _mm256_slli_epi16(bits32(b + 16, s, 1), 4);
     k4_ints(b, s, _mm256_or_si256(bits32(b + 48 + 32 * (s / 2), 4 * (s % 2), 0xF), high), k);
@@ -199,7 +200,7 @@ struct Q5_K {
 
 struct Q6_K {
   static constexpr int kElems = 256, kBytes = 210;
-  static constexpr bool kUnsigned = false;
+  static constexpr bool kUnsigned = false, kTwoScales = true;
   QAVX2 QINLINE static void ints(const uint8_t* b, int s, Ints& k) {
     const int half = s / 4, quarter = s % 4;
     const __m256i low = bits32(b + 64 * half + 32 * (quarter % 2), 4 * (quarter / 2), 0xF);
@@ -222,6 +223,24 @@ struct Q6_K {
   }
 };
 
+// Float formats kept as they are (a GGUF's F16/BF16 linears): 32 weights widened exactly; no integer view.
+struct F16 {
+  static constexpr int kElems = 32, kBytes = 64;
+  QAVX2 QINLINE static void granule(const uint8_t* b, int, __m256 w[4]) {
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * j)));
+  }
+};
+
+struct BF16 {
+  static constexpr int kElems = 32, kBytes = 64;
+  QAVX2 QINLINE static void granule(const uint8_t* b, int, __m256 w[4]) {
+    for (int j = 0; j < 4; ++j) {
+      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * j)));
+      w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    }
+  }
+};
+
 // Granule g of a quantized row as integers.
 template <class F>
 QAVX2 QINLINE void ints_at(const uint8_t* row, int64_t g, Ints& k) {
@@ -236,10 +255,28 @@ QAVX2 QINLINE void granule_at(const uint8_t* row, int64_t g, __m256 w[4]) {
   F::granule(row + (g / per_block) * F::kBytes, int(g % per_block), w);
 }
 
+// f(F{}) for the quantized format of ggml type id `type` (those with an integer view); false for any other.
+template <class Fn>
+inline bool with_int_format(int64_t type, Fn f) {
+  switch (type) {
+    case 8: return f(Q8_0{}), true;
+    case 2: return f(Q4_0{}), true;
+    case 3: return f(Q4_1{}), true;
+    case 6: return f(Q5_0{}), true;
+    case 7: return f(Q5_1{}), true;
+    case 12: return f(Q4_K{}), true;
+    case 13: return f(Q5_K{}), true;
+    case 14: return f(Q6_K{}), true;
+    default: return false;
+  }
+}
+
 // f(F{}) for the format of ggml type id `type`; false for a type without a kernel.
 template <class Fn>
 inline bool with_format(int64_t type, Fn f) {
   switch (type) {
+    case 1: return f(F16{}), true;
+    case 30: return f(BF16{}), true;
     case 8: return f(Q8_0{}), true;
     case 2: return f(Q4_0{}), true;
     case 3: return f(Q4_1{}), true;

@@ -59,36 +59,32 @@ QAVX2 Int8Rows quantize_rows(const float* x, int64_t M, int64_t I) {
   return out;
 }
 
-// Rows [m0, m0 + R) of x against one quantized row w: y[r * ldy]. At one row two accumulators keep two FMA
-// chains going.
+// Rows [m0, m0 + R) of x against one quantized row w: y[r * ldy]. One accumulator a row: a granule's work outlasts
+// the FMA's latency even at one row (and a second one, picked by the granule's parity, would sit in memory).
 template <class F, int R>
 QAVX2 void int8_dots(const Int8Rows& x, int64_t m0, int64_t I, const uint8_t* w, float* y, int64_t ldy) {
-  constexpr int A = R == 1 ? 2 : 1;
   const int64_t G = I / 32;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][A];
+  __m256 acc[R];
   float mins[R] = {};
-  UNROLL for (int r = 0; r < R; ++r) UNROLL for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+  UNROLL for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     quant::Ints k;
     quant::ints_at<F>(w, g, k);
     const __m256i wq = F::kUnsigned ? k.q : _mm256_sign_epi8(k.q, k.q);  // the unsigned side of the products
-    const __m256 a = _mm256_set_m128(_mm_set1_ps(k.a[1]), _mm_set1_ps(k.a[0]));  // lanes 0-3: weights 0-15
+    const __m256 a = F::kTwoScales ? _mm256_set_m128(_mm_set1_ps(k.a[1]), _mm_set1_ps(k.a[0]))  // lanes 0-3: 0-15
+                                   : _mm256_set1_ps(k.a[0]);
     UNROLL for (int r = 0; r < R; ++r) {
       const int64_t at = (m0 + r) * G + g;
       __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + 32 * at));
       if (!F::kUnsigned) xq = _mm256_sign_epi8(xq, k.q);
       const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);  // lane l: weights 4l..4l+3
       const __m256 scale = _mm256_mul_ps(a, _mm256_broadcast_ss(&x.d[at]));
-      acc[r][g % A] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][g % A]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
       if (F::kUnsigned) mins[r] += k.m * x.s[at];
     }
   }
-  UNROLL for (int r = 0; r < R; ++r) {
-    __m256 sum = acc[r][0];
-    UNROLL for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[r][a]);
-    y[r * ldy] = hsum(sum) + mins[r];
-  }
+  UNROLL for (int r = 0; r < R; ++r) y[r * ldy] = hsum(acc[r]) + mins[r];
 }
 
 // Every row of x against output rows [o0, o1), in passes of at most 8 rows (packed::even_passes).
@@ -120,7 +116,7 @@ namespace quant {
 void int8_linear_rows(int64_t type, const float* x, int64_t M, int64_t I, const uint8_t* w, float* y, int64_t O) {
   const Int8Rows xq = quantize_rows(x, M, I);
   const int64_t blocks = (O + packed::kBlock - 1) / packed::kBlock;
-  with_format(type, [&](auto f) {
+  with_int_format(type, [&](auto f) {
     packed::share_blocks(blocks, 4, [&](int64_t b0, int64_t b1) {
       int8_rows<decltype(f)>(xq, M, I, w, b0 * packed::kBlock, std::min(O, b1 * packed::kBlock), y, O);
     });

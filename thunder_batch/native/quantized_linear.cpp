@@ -8,6 +8,8 @@
 // (packed_linear.cpp) runs every row against it, so the widening is paid once per 16 outputs per step.
 // Either way each output is float32 products of the dequantized weights summed in float32: the
 // `gguf` package's dequantization followed by a float32 matmul, up to the order of the sums.
+// With int8_activations (opt-in) x is first rounded to int8 blocks: up to kDirectRows rows then take
+// integer dot products (quantized_int8.cpp), more rows the path above on the rounded x.
 //
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -146,7 +148,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, const c10:
               "quantized_linear: float32 CPU input [..., ", in_features, "]");
   check_weight(w, type, in_features, "quantized_linear");
   const int64_t I = in_features, O = w.size(0);
-  TORCH_CHECK(!int8_activations || I % 32 == 0, "quantized_linear: int8_activations needs in_features in 32s");
+  TORCH_CHECK(!int8_activations || quant::with_int_format(type, [](auto) {}),
+              "quantized_linear: int8_activations needs a quantized format, not ggml type ", type);
   at::Tensor x2 = x.reshape({-1, I}).contiguous();
   const int64_t M = x2.size(0);
   at::Tensor y = at::empty({M, O}, x.options());
