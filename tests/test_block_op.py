@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch import Engine, EngineConfig, SamplingParams, quantized
 from thunder_batch.compile.attention import DECODE_BLOCK
 from thunder_batch.compile.cache import CompileCacheWarning
 from thunder_batch.compile.step import execution_traces
@@ -89,6 +89,13 @@ def test_only_llama_shaped_blocks_are_one_op_and_only_with_the_executors_on():
         block_op.mark_blocks(program, True, 2, native_linear)
         native = build.unavailable() is None
         assert [b.one_call for b in program.blocks] == [want and native] * len(program.blocks), family
+    gpt = tiny_gpt("llama")  # quantized linears (a GGUF's, a Q4_K_M file's mixed-format qkv) run op by op
+    assert quantized.quantize_model(gpt, "q8_0") == 5 * len(gpt.transformer.h) + 1
+    qkv = gpt.transformer.h[0].attn.qkv
+    gpt.transformer.h[0].attn.qkv = quantized.QuantizedParts([qkv])
+    program = StepProgram(gpt, batch_size=2, max_seq_length=32, lane_len=4)
+    block_op.mark_blocks(program, True, 2, native_linear)
+    assert not any(b.one_call for b in program.blocks)
 
 
 PROMPTS = mixed_prompts(3, [2, 5, 7])

@@ -76,8 +76,10 @@ def takes(step_block, rows: int, native_linear: Callable) -> bool:
 
 
 def _linears_run(linears, norms, rows: int, native_linear: Callable) -> bool:
-    """No biases but qkv's (the first linear), one float32 or bfloat16 dtype on CPU, and each linear on a native
-    kernel at `rows` rows."""
+    """Plain nn.Linears (not quantized ones) with no biases but qkv's (the first), one float32 or bfloat16 dtype on
+    CPU, each on a native kernel at `rows` rows."""
+    if not all(type(m) is nn.Linear for m in linears):
+        return False
     dtype = linears[0].weight.dtype
     tensors = [t for m in (*linears, *norms) for t in m.parameters()]
     if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors) or any(m.bias is not None for m in linears[1:]):
