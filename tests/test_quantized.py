@@ -123,6 +123,24 @@ def tiny_llama(**overrides) -> litgpt.GPT:
     return litgpt.GPT(litgpt.Config(**(fields | overrides))).eval()
 
 
+def assert_same_state(model, loaded) -> None:
+    """The same tensor names, and every tensor equal (blocks as bytes)."""
+    assert model.state_dict().keys() == loaded.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+
+
+def written_tokens(model, loaded, tokenizer, modes: tuple[str, ...]) -> dict[str, list[list[int]]]:
+    """12 greedy tokens for two short prompts: "source", the written model eager; each of `modes`, the loaded one."""
+    prompts, params = [[5, 6, 7], [9, 10]], SamplingParams(12, temperature=0)
+    runs = [("source", model, "eager"), *((mode, loaded, mode) for mode in modes)]
+    ids = {}
+    for key, gpt, mode in runs:
+        engine = Engine(gpt, EngineConfig(batch_size=2, max_seq_length=64, compile=mode), tokenizer)
+        ids[key] = [r.token_ids for r in engine.generate(prompts, params)]
+    return ids
+
+
 @pytest.mark.parametrize("file_format", ["q8_0", "q4_0", "f32"])
 def test_a_written_gguf_loads_back_as_the_same_model(tmp_path, file_format):
     """gguf_write (what the bench gives llama.cpp) and gguf_load (what the engine reads) are inverses: the same
@@ -133,14 +151,9 @@ def test_a_written_gguf_loads_back_as_the_same_model(tmp_path, file_format):
     path = gguf_write.write_gguf(model, tmp_path / "tiny.gguf", file_format)
     loaded, tokenizer, config = gguf_load.load_gguf(path)
     assert config.name == "tiny-llama-test" and config.n_query_groups == 2
-    assert model.state_dict().keys() == loaded.state_dict().keys()
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, loaded.state_dict()[name]), name
-    ids = {}
-    for gpt in (model, loaded):
-        engine = Engine(gpt, EngineConfig(batch_size=2, max_seq_length=64, compile="eager"), tokenizer)
-        ids[id(gpt)] = [r.token_ids for r in engine.generate([[5, 6, 7], [9, 10]], SamplingParams(12, temperature=0))]
-    assert ids[id(model)] == ids[id(loaded)] and len(ids[id(model)][0]) == 12
+    assert_same_state(model, loaded)
+    ids = written_tokens(model, loaded, tokenizer, ("eager",))
+    assert ids["eager"] == ids["source"] and len(ids["source"][0]) == 12
 
 
 def test_update_weights_reaches_quantized_blocks_and_leaves_the_file_alone(tmp_path):
@@ -192,14 +205,8 @@ def test_a_qkv_of_mixed_formats_stays_quantized_part_by_part(tmp_path):
     qkv = loaded.transformer.h[1].attn.qkv
     assert isinstance(qkv, quantized.QuantizedParts)
     assert [quantized.FORMAT_NAMES[p.ggml_type] for p in qkv.parts] == ["q4_0", "q4_0", "q8_0"]
-    assert model.state_dict().keys() == loaded.state_dict().keys()
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, loaded.state_dict()[name]), name
-    prompts, params = [[5, 6, 7], [9, 10]], SamplingParams(12, temperature=0)
-    ids = {}
-    for key, gpt, mode in (("source", model, "eager"), ("eager", loaded, "eager"), ("thunder", loaded, "thunder")):
-        engine = Engine(gpt, EngineConfig(batch_size=2, max_seq_length=64, compile=mode), tokenizer)
-        ids[key] = [r.token_ids for r in engine.generate(prompts, params)]
+    assert_same_state(model, loaded)
+    ids = written_tokens(model, loaded, tokenizer, ("eager", "thunder"))
     assert ids["thunder"] == ids["eager"] == ids["source"] and len(ids["source"][0]) == 12
 
 
@@ -221,11 +228,6 @@ def test_f16_and_bf16_linears_stay_as_they_are(tmp_path, name):
     layers = [m for m in loaded.transformer.h.modules() if isinstance(m, quantized.QuantizedLinear)]
     assert len(layers) == 5 * 2 and {m.ggml_type for m in layers} == {kind}
     assert all(m.weight.dtype == torch.uint8 and m.weight.shape[1] == 2 * m.in_features for m in layers)
-    for key, tensor in model.state_dict().items():
-        assert torch.equal(tensor, loaded.state_dict()[key]), key
-    prompts, params = [[5, 6, 7], [9, 10]], SamplingParams(12, temperature=0)
-    ids = {}
-    for key, gpt, mode in (("source", model, "eager"), ("eager", loaded, "eager"), ("thunder", loaded, "thunder")):
-        engine = Engine(gpt, EngineConfig(batch_size=2, max_seq_length=64, compile=mode), tokenizer)
-        ids[key] = [r.token_ids for r in engine.generate(prompts, params)]
+    assert_same_state(model, loaded)
+    ids = written_tokens(model, loaded, tokenizer, ("eager", "thunder"))
     assert ids["thunder"] == ids["eager"] == ids["source"] and len(ids["source"][0]) == 12

@@ -274,19 +274,9 @@ inline bool with_int_format(int64_t type, Fn f) {
 // f(F{}) for the format of ggml type id `type`; false for a type without a kernel.
 template <class Fn>
 inline bool with_format(int64_t type, Fn f) {
-  switch (type) {
-    case 1: return f(F16{}), true;
-    case 30: return f(BF16{}), true;
-    case 8: return f(Q8_0{}), true;
-    case 2: return f(Q4_0{}), true;
-    case 3: return f(Q4_1{}), true;
-    case 6: return f(Q5_0{}), true;
-    case 7: return f(Q5_1{}), true;
-    case 12: return f(Q4_K{}), true;
-    case 13: return f(Q5_K{}), true;
-    case 14: return f(Q6_K{}), true;
-    default: return false;
-  }
+  if (type == 1) return f(F16{}), true;
+  if (type == 30) return f(BF16{}), true;
+  return with_int_format(type, f);
 }
 
 }  // namespace quant
