@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from thunder_batch.config import MAX_LOGPROBS, ParamError, SamplingParams, is_int
 from thunder_batch.serve.fields import APIError, get_field
-from thunder_batch.serve.sampling_fields import constraint, logit_controls, request_field
+from thunder_batch.serve.sampling_fields import constraint, logit_controls, request_field, tool_fields
+from thunder_batch.tool_calls import tool_prompt
 
 CHAT, COMPLETION = "chat", "completion"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -23,7 +24,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 NEUTRAL = {
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
     "functions": ([],),
 }
 
@@ -43,6 +43,7 @@ class ParsedRequest:
     logprobs: bool = False  # shape token logprobs (params.logprobs alternatives each)
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone comes back (its one made token is not sent)
     names: dict | None = None  # SamplingParams field -> the request's own name for it, where they differ
+    tool_names: tuple = ()  # chat with tools (tool_choice not "none"): answers are read for calls to these
 
     @property
     def choices(self) -> int:
@@ -87,8 +88,9 @@ def parse_request(body: bytes, kind: str, limits: Limits = Limits()) -> ParsedRe
     for name, neutral in NEUTRAL.items():
         _check_neutral(data, name, neutral)
     echo = echo_only = False
+    tools, grammar = tool_fields(data) if kind == CHAT else ([], None)
     if kind == CHAT:
-        prompts = [_messages(data)]
+        prompts = [_plain(_messages(data), tools)]
         max_tokens = get_field(data, "max_completion_tokens", int, get_field(data, "max_tokens", int))
         logprobs = _chat_logprobs(data)
     else:
@@ -102,10 +104,12 @@ def parse_request(body: bytes, kind: str, limits: Limits = Limits()) -> ParsedRe
     options = get_field(data, "stream_options", dict, {})
     include_usage = stream and get_field(options, "include_usage", bool, False, "stream_options.include_usage")
     n = _n(data, len(prompts), limits)
-    params = _sampling(data, max_tokens, logprobs, logprobs if echo else None)
+    params = _sampling(data, max_tokens, logprobs, logprobs if echo else None, grammar)
     # A schema the worker cannot compile is reported under the request's own field (response_format, ...).
     names = {params.constraint[0]: request_field(data, params.constraint[0])} if params.constraint else None
-    return ParsedRequest(kind, prompts, params, stream, include_usage, n, echo, logprobs is not None, echo_only, names)
+    tool_names = tuple(t["function"]["name"] for t in tools)
+    logprobs = logprobs is not None
+    return ParsedRequest(kind, prompts, params, stream, include_usage, n, echo, logprobs, echo_only, names, tool_names)
 
 
 def _chat_logprobs(data: dict) -> int | None:
@@ -142,7 +146,10 @@ def _n(data: dict, prompts: int, limits: Limits) -> int:
     return n
 
 
-def _sampling(data: dict, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+def _sampling(
+    data: dict, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None, tool_grammar: str | None
+) -> SamplingParams:
+    """tool_grammar: the answer's grammar for the request's tools (tool_calls.py), None without."""
     top_k = get_field(data, "top_k", int)
     stop = get_field(data, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
@@ -158,7 +165,7 @@ def _sampling(data: dict, max_tokens: int | None, logprobs: int | None, prompt_l
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             **logit_controls(data),
-            **constraint(data),
+            **constraint(data, tool_grammar),
         )
     except ParamError as e:  # the client named it max_tokens (or max_completion_tokens)
         param = "max_tokens" if e.param == "max_new_tokens" else e.param
@@ -167,7 +174,8 @@ def _sampling(data: dict, max_tokens: int | None, logprobs: int | None, prompt_l
 
 
 def _messages(data: dict) -> list[dict]:
-    """OpenAI messages -> [{"role", "content": str}]; roles and order are checked by the engine."""
+    """OpenAI messages -> [{"role", "content": str}] (an assistant turn's `tool_calls` kept, its content then
+    optional); roles and order are checked by the engine."""
     messages = get_field(data, "messages", list)
     if not messages:
         raise APIError(
@@ -177,8 +185,19 @@ def _messages(data: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        calls = get_field(m, "tool_calls", list, None, f"messages[{i}].tool_calls")
+        calls = calls if m["role"] == "assistant" else None
+        content = "" if calls and m.get("content") is None else _content(m.get("content"), i)
+        out.append({"role": m["role"], "content": content, **({"tool_calls": calls} if calls else {})})
     return out
+
+
+def _plain(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """Messages the prompt style renders: tool calls and results as text, the tools in the system message."""
+    try:
+        return tool_prompt(messages, tools)
+    except ParamError as e:
+        raise APIError(400, str(e), e.param, "invalid_value") from None
 
 
 def _content(content, i: int) -> str:

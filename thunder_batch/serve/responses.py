@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from thunder_batch.serve.openai import CHAT
+from thunder_batch.tool_calls import parse_tool_calls, streamable
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -27,6 +28,7 @@ class Choice:
     completion_tokens: int = 0
     tokens: list = field(default_factory=list)  # logprob entries, when asked for
     offset: int = 0  # completions: text offset of the next token's logprob entry
+    sent: str = ""  # a chat with tools: the content streamed so far (text before a tool call)
 
     def add(self, message: dict) -> None:
         self.text += message.get("echo", {}).get("text", "") + message.get("text", "")
@@ -38,8 +40,10 @@ class Choice:
 class ResponseBuilder:
     """OpenAI response objects for one request (chat.completion or text_completion)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, logprobs: bool = False):
+    def __init__(self, kind: str, request_id: str, model: str, logprobs: bool = False, tool_names: tuple = ()):
+        """tool_names: a chat with tools; its answers' tool calls (tool_calls.py) become `tool_calls`."""
         self.kind, self.model, self.created, self.logprobs = kind, model, int(time.time()), logprobs
+        self.tool_names = tool_names
         self.id = ("chatcmpl-" if kind == CHAT else "cmpl-") + request_id
         self.object = "chat.completion" if kind == CHAT else "text_completion"
 
@@ -52,8 +56,11 @@ class ResponseBuilder:
     def _full_choice(self, c: Choice) -> dict:
         logprobs = self._logprobs(c, c.tokens) if self.logprobs else None
         if self.kind == CHAT:
-            message = {"role": "assistant", "content": c.text}
-            return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if self.tool_names:
+                content, calls = parse_tool_calls(c.text, self.tool_names)
+                message, finish_reason = _with_calls({"role": "assistant", "content": content}, calls, finish_reason)
+            return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
     def chunk(self, choice: Choice, message: dict | None = None, role: bool = False) -> dict:
@@ -67,8 +74,23 @@ class ResponseBuilder:
         entry = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.kind == CHAT:
             entry["delta"] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if self.tool_names and not role:
+                entry["delta"], entry["finish_reason"] = self._tool_delta(choice, finish_reason)
             return {**self._head("chat.completion.chunk"), "choices": [entry]}
         return {**self._head(self.object), "choices": [{**entry, "text": text}]}
+
+    def _tool_delta(self, choice: Choice, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The content that is surely not a tool call, as it comes; the calls (each whole) at the end."""
+        if finish_reason is None:
+            content = streamable(choice.text)[len(choice.sent) :]
+            choice.sent += content
+            return ({"content": content} if content else {}), None
+        content, calls = parse_tool_calls(choice.text, self.tool_names)
+        rest = (content or "")[len(choice.sent) :] if (content or "").startswith(choice.sent) else ""
+        delta, finish_reason = _with_calls({"content": rest} if rest else {}, calls, finish_reason)
+        for i, call in enumerate(delta.get("tool_calls", [])):
+            call["index"] = i
+        return delta, finish_reason
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == CHAT else self.object
@@ -87,6 +109,13 @@ class ResponseBuilder:
             "top_logprobs": [None if lp is None else {**dict(top), text: lp} for text, lp, top in tokens],
             "text_offset": offsets,
         }
+
+
+def _with_calls(message: dict, calls: list[dict], finish_reason: str | None) -> tuple[dict, str | None]:
+    """A message with its tool calls, and OpenAI's finish_reason "tool_calls" for an answer that ended in them."""
+    if not calls:
+        return message, finish_reason
+    return {**message, "tool_calls": calls}, ("tool_calls" if finish_reason == "stop" else finish_reason)
 
 
 def _chat_token(text: str, logprob: float, top: list) -> dict:

@@ -118,7 +118,7 @@ class OpenAIRoutes(LitSpec):
         streaming = False
         try:
             accepted = await call.next()  # the worker's verdict: accepted, or a 4xx
-            bodies = ResponseBuilder(kind, call.uid, self.model, job.logprobs)
+            bodies = ResponseBuilder(kind, call.uid, self.model, job.logprobs, job.tool_names)
             if job.stream:
                 streaming = True  # from here the response owns the call, and listens for the disconnect
                 call.unwatch()
