@@ -255,4 +255,5 @@ def test_pydantic_tools_parse_through_the_openai_client(server):
     assert call.function.name == "Weather" and isinstance(call.function.parsed_arguments, Weather)
     broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]  # no such JSON type
     bad = server.post("/v1/chat/completions", chat(tools=broken, max_tokens=1))
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools" and "foo" in bad.json()["error"]["message"]
+    error = bad.json()["error"]
+    assert bad.status_code == 400 and error["param"] == "tools" and "foo" in error["message"]
