@@ -150,6 +150,36 @@ def test_regex_choice_and_grammars_hold(engine):
     assert results[4].finish_reason == "stop" and isinstance(json.loads(texts[4]), dict)
 
 
+@pytest.mark.slow
+def test_forced_tokens_give_the_tokens_of_one_step_each_in_fewer_steps(engine):
+    """Tokens the grammar alone allows are appended unsampled and fed at once: the same tokens (greedy and seeded,
+    beside free rows), logprobs (0 where forced; others within a prefill row's rounding), in fewer steps."""
+    from thunder_batch.tool_calls import tool_grammar, tool_prompt
+
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+    prompts = [ask(f"Describe item number {i} of a shop.") for i in range(5)]
+    prompts += [tool_prompt([{"role": "user", "content": "Add 2 and 3."}], [tool]), ask("Say hi.")]
+    params = [SamplingParams(max_new_tokens=150, json_schema=s, logprobs=2) for s in schemas()[:3]]
+    params += [
+        SamplingParams(max_new_tokens=150, json_schema=s, temperature=0.9, seed=i) for i, s in enumerate(schemas()[3:5])
+    ]
+    params += [
+        SamplingParams(max_new_tokens=60, grammar=tool_grammar([tool], "required")),
+        SamplingParams(max_new_tokens=20),
+    ]
+    one_each = Engine.from_checkpoint(
+        default_checkpoint_dir(), EngineConfig(compile="eager", forced_tokens=False, **CONFIG)
+    )
+    steps = [e.stats()["steps"] for e in (engine, one_each)]
+    forced, plain = engine.generate(prompts, params), one_each.generate(prompts, params)
+    steps = [e.stats()["steps"] - before for e, before in zip((engine, one_each), steps)]
+    for a, b in zip(forced, plain):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert [[t for t, _ in top] for top in a.top_logprobs] == [[t for t, _ in top] for top in b.top_logprobs]
+    assert 0.0 in forced[0].logprobs and steps[0] < 0.75 * steps[1], steps
+
+
 @pytest.mark.parametrize(
     "fields, param, words",
     [

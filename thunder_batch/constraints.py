@@ -102,7 +102,8 @@ class GrammarCompiler:
 
 
 class Constraint:
-    """One request's grammar state: the allowed tokens now (`fill`), the tokens it took (`advance`)."""
+    """One request's grammar state: the allowed tokens now (`fill`), the output tokens it has taken (`advance`),
+    the tokens it alone allows next (`forced`)."""
 
     def __init__(self, matcher, stop_ids, tokenizer_vocab: int, model_vocab: int) -> None:
         """The mask's bits past the smaller of the two vocabularies stay 0."""
@@ -111,23 +112,60 @@ class Constraint:
         self.matcher, self.stop_ids = matcher, frozenset(stop_ids)
         self._row = np.zeros((1, -(-tokenizer_vocab // 32)), dtype=np.int32)  # llguidance's row
         self._words = -(-min(tokenizer_vocab, model_vocab) // 32)
+        self._model_vocab = model_vocab
+        self.taken = 0  # output tokens taken so far
+        self._fresh = False  # _row holds the allowed tokens of the state now
 
-    def advance(self, tokens: list[int]) -> None:
-        """Take the tokens sampled since the last call (a stop token ends the request: nothing to take)."""
-        for token in tokens:
+    def advance(self, output_ids: list[int]) -> None:
+        """Take the request's output tokens not taken yet (a stop token ends the request: nothing to take)."""
+        for token in output_ids[self.taken :]:
             if token not in self.stop_ids:
                 self.matcher.consume_token(token)  # masked: always allowed; a refusal leaves it in error (fill)
+                self._fresh = False
+        self.taken = max(self.taken, len(output_ids))
+
+    def forced(self, output_ids: list[int], limit: int) -> list[int]:
+        """After taking output_ids: up to `limit` tokens that are, one after another, the only token the grammar
+        allows (a stop token never: the grammar does not accept there), taken too. Sampling would give each of
+        them whatever the logits (a masked head leaves one finite logit), so they can be fed without sampling."""
+        self.advance(output_ids)
+        tokens = []
+        while len(tokens) < limit and not (self.matcher.is_error() or self.matcher.is_accepting()):
+            token = self._only_token()
+            if token is None or token >= self._model_vocab:
+                break
+            self.matcher.consume_token(token)
+            self._fresh = False
+            tokens.append(token)
+        self.taken += len(tokens)
+        return tokens
+
+    def _only_token(self) -> int | None:
+        """The one token the grammar allows now, or None where it allows several."""
+        import numpy as np
+
+        words = self._allowed()[0]
+        nonzero = np.flatnonzero(words)
+        if len(nonzero) != 1:
+            return None
+        word = int(words[nonzero[0]]) & 0xFFFFFFFF
+        return int(nonzero[0]) * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
+
+    def _allowed(self):
+        if not self._fresh:
+            import llguidance.numpy as lnp
+
+            lnp.fill_next_token_bitmask(self.matcher, self._row, 0)
+            self._fresh = True
+        return self._row
 
     def fill(self, row) -> None:
         """Write the allowed tokens into row ([words] int32, numpy): the grammar's next tokens, and the stop tokens
         when it accepts the text so far. A matcher in error allows only the stop tokens: the request ends."""
-        import llguidance.numpy as lnp
-
         row[:] = 0
         if not self.matcher.is_error():
-            lnp.fill_next_token_bitmask(self.matcher, self._row, 0)
             words = min(self._words, row.shape[0], self._row.shape[1])
-            row[:words] = self._row[0, :words]
+            row[:words] = self._allowed()[0, :words]
         if self.matcher.is_error() or self.matcher.is_accepting():
             for token in self.stop_ids:
                 row[token >> 5] |= _bit(token & 31)

@@ -68,7 +68,7 @@ class ControlRows:
             self.seen[slot, ids] = True
             self.counted[slot] = len(request.output_ids)
         if request.constraint is not None:
-            request.constraint.advance(new)
+            request.constraint.advance(request.output_ids)
             self._allow(slot, request.constraint)
         if self.holding[slot] and len(request.output_ids) >= params.min_tokens:
             self.holding[slot] = False  # the stop tokens get their own bias back (0 unless logit_bias sets one)

@@ -226,14 +226,23 @@ class Engine:
         if not work.draft:
             if not work.samples:
                 return []
-            top = result.top[work.slot] if result.top is not None else None
-            return [(result.tokens[work.slot], result.logprobs[work.slot], top)]
+            token, top = result.tokens[work.slot], result.top[work.slot] if result.top is not None else None
+            return [(token, result.logprobs[work.slot], top), *self._forced(work.request, token, top is not None)]
         first = work.lane * (self.config.speculative_tokens + 1)
         tokens = accepted_tokens(work.draft, result.verify_tokens[first : first + len(work.token_ids)])
         self.drafter.record(work, len(tokens) - 1)
         rows = range(first, first + len(tokens))
         tops = [result.verify_top[r] if result.verify_top is not None else None for r in rows]
         return list(zip(tokens, [result.verify_logprobs[r] for r in rows], tops))
+
+    def _forced(self, request, token: int, tops: bool) -> list[tuple]:
+        """The tokens a constrained request's grammar alone allows after `token`, the one just sampled, each with
+        the logprob and alternatives sampling gives it (log 1 = 0: the masked distribution holds it alone)."""
+        if request.constraint is None or not self.config.forced_tokens or token in request.stop_ids:
+            return []
+        limit = request.params.max_new_tokens - len(request.output_ids) - 1
+        forced = request.constraint.forced([*request.output_ids, token], limit)
+        return [(t, 0.0, [(t, 0.0)] if tops else None) for t in forced]
 
     def _score_prompt(self, work, result) -> None:
         """Record the logprobs of the prompt tokens that follow this work's rows (a `_prompt` head)."""
