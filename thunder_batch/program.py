@@ -21,11 +21,10 @@ from thunder_batch.kv_cache import SlotKVCache, slot_caches
 from thunder_batch.model import StepShared, block_forward, layer_rope, rope_table, step_inputs
 from thunder_batch.moe import fixed_shape_mlp
 from thunder_batch.sampler import (
-    apply_controls,
     batched_sample,
+    controlled_logits,
     greedy_sample,
     logprob_of,
-    mask_disallowed,
     score_rows,
     top_logprobs,
 )
@@ -144,7 +143,7 @@ class StepHead(nn.Module):
     Variants `<sampler>_top` also return each slot's MAX_LOGPROBS most likely tokens and their
     logprobs; `<sampler>_prompt` also score every row of the step (the prompt rows) against its
     `target` token, with alternatives: lm_head then runs on all N rows, not only the last ones.
-    Variants `controlled_*` apply the rows' logit controls (`sampler.apply_controls`, min_p) before the
+    Variants `controlled_*` apply the rows' logit controls (`sampler.controlled_logits`, min_p) before the
     sampler; their logprobs stay the model's own, under the grammar's mask for a constrained row.
     """
 
@@ -179,9 +178,9 @@ class StepHead(nn.Module):
         # The RNG is keyed by the sampled token's own position: independent of slot and batch-mates.
         steered, min_p, reported = logits, None, logits
         if self.controlled:
-            bias, counts, seen, allowed, knobs = controls
-            reported = mask_disallowed(logits.float(), allowed)  # [B, V]: a grammar's distribution
-            steered, min_p = apply_controls(reported, bias, counts, seen, knobs), knobs[:, 3]  # [B, V], [B]
+            # [B, V] each: a grammar's distribution, and what the other controls make of it
+            reported, steered = controlled_logits(logits.float(), *controls)
+            min_p = controls[-1][:, 3]  # [B]
         if self.variant == "greedy":
             out = greedy_sample(steered)
         else:

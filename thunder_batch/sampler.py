@@ -130,6 +130,16 @@ def apply_controls(logits: Tensor, bias: Tensor, counts: Tensor, seen: Tensor, k
     return x - knobs[:, 1:2] * counts - knobs[:, 0:1] * (counts > 0).to(x.dtype)  # [B, V]
 
 
+def controlled_logits(
+    logits: Tensor, bias: Tensor, counts: Tensor, seen: Tensor, allowed: Tensor, knobs: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(reported, steered): float32 logits [B, V] under the rows' grammar masks (`mask_disallowed`: what logprobs
+    report), and those after the other controls (`apply_controls`: what is sampled). One native op in a compiled
+    CPU step (compile/controls_op.py)."""
+    reported = mask_disallowed(logits, allowed)  # [B, V]
+    return reported, apply_controls(reported, bias, counts, seen, knobs)  # [B, V] each
+
+
 def mask_disallowed(logits: Tensor, allowed: Tensor) -> Tensor:
     """-inf where the row's grammar allows no token (constraints.py). logits: [B, V]; allowed: [B, ceil(V / 32)]
     int32 bits (token t: bit t & 31 of word t >> 5; every bit set: the row as it is) -> [B, V]"""

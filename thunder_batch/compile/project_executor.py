@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from thunder_batch import fallbacks, model, quantized
 from thunder_batch._compat import import_thunder
-from thunder_batch.compile import attention, block_op
+from thunder_batch.compile import attention, block_op, controls_op
 
 EXECUTOR = "thunder_batch"
 LINEAR = "thunder_batch_packed_linear"
@@ -68,6 +68,7 @@ def project_executor():
             QUANTIZED_LINEAR, meta=_quantized_meta, fn=native_quantized_linear, replaces=quantized.quantized_linear
         )
     attention.register(executor)
+    controls_op.register(executor)
     block_op.register(executor, decode_block)
     return executor
 

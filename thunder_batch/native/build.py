@@ -34,6 +34,7 @@ SOURCES = [
         "work_sharing.cpp",
         "quantized_linear.cpp",
         "quantized_int8.cpp",
+        "logit_controls.cpp",
     )
 ]
 # Included by the sources: part of the build's name.
@@ -175,3 +176,9 @@ def slot_rows_attention(q, k, v, cache_k, cache_v, rows, row_slot, mask, scale: 
     """A verify step's attention with its KV writes, one call: as `decode_rows_attention` for N rows, row n
     over slot `row_slot[n]`'s entries with its own mask row (mask [N, 1, 1, L]) -> [N, H * D]."""
     return torch.ops.thunder_batch.slot_rows_attention.default(q, k, v, cache_k, cache_v, rows, row_slot, mask, scale)
+
+
+def controlled_logits(logits, bias, counts, seen, allowed, knobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampler.controlled_logits` in one pass (float32 logits, bias, counts [B, V], bool seen [B, V], int32 allowed
+    bits [B, ceil(V / 32)], float32 knobs [B, 4]) -> (reported, steered) [B, V] each, equal to its torch ops'."""
+    return torch.ops.thunder_batch.controlled_logits.default(logits, bias, counts, seen, allowed, knobs)
