@@ -1,6 +1,7 @@
 """Logit controls (penalties, logit_bias, min_p, min_tokens): the step's math against a loop written from the
 rules, the engine's tokens against litgpt's uncached forward steered by that loop, batch-mates unaffected,
-compiled == eager, drafts off for controlled requests, and bad values refused by name."""
+compiled == eager (the controls one native op, equal to their torch ops bit for bit), drafts off for controlled
+requests, and bad values refused by name."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.config import ParamError
-from thunder_batch.sampler import allowed_tokens, apply_controls, min_p_mask
+from thunder_batch.native import build
+from thunder_batch.sampler import allowed_tokens, apply_controls, controlled_logits, min_p_mask
 
 from helpers import ENGINE_CONFIG, VOCAB, mixed_prompts, tiny_gpt
 
@@ -151,9 +153,32 @@ def test_compiled_controlled_steps_equal_eager_and_make_no_new_shape(gpt, eager)
     ]
     engine.generate(prompts, SamplingParams(max_new_tokens=12))  # the step shapes this traffic takes, made
     misses = engine.stats()["cache_misses"]
-    got, want = engine.generate(prompts, params), eager.generate(prompts, params)
+    with torch.profiler.profile() as profile:
+        got = engine.generate(prompts, params)
+    want = eager.generate(prompts, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert engine.stats()["cache_misses"] == misses  # a head variant more, no step shape more
+    native = any(e.name == "thunder_batch::controlled_logits" for e in profile.events())
+    assert native == (build.unavailable() is None)  # the controls ran as the one native op
+
+
+@pytest.mark.parametrize("B, V", [(1, 49159), (3, 1000), (8, 20000)])
+def test_the_native_controls_equal_their_torch_ops_bit_for_bit(B, V):
+    if build.unavailable() is not None:
+        pytest.skip(build.unavailable())
+    g = torch.Generator().manual_seed(B)
+    logits = torch.randn(B, V, generator=g) * 5
+    bias = torch.where(torch.rand(B, V, generator=g) < 0.02, torch.randn(B, V, generator=g), 0.0)
+    bias[0, :7] = float("-inf")  # min_tokens' stop tokens
+    counts = torch.randint(0, 4, (B, V), generator=g).float() * (torch.rand(B, V, generator=g) < 0.02)
+    seen = torch.rand(B, V, generator=g) < 0.05
+    allowed = torch.randint(-(2**31), 2**31 - 1, (B, -(-V // 32)), dtype=torch.int32, generator=g)
+    allowed[-1] = -1  # a free row
+    knobs = torch.tensor([[0.5, 0.3, 1.3, 0.0]] * B)
+    knobs[0] = torch.tensor([0.0, 0.0, 1.0, 0.0])  # neutral
+    want = controlled_logits(logits, bias, counts, seen, allowed, knobs)
+    got = build.controlled_logits(logits, bias, counts, seen, allowed, knobs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_a_stored_controlled_head_is_loaded_by_the_next_engine(gpt, tmp_path):
