@@ -116,6 +116,11 @@ def test_parse_options():
             dict(speculative_tokens="0,4", dataset="grounded", ignore_eos=True, systems="eager"),
         ),
         (
+            ["--dataset", "json-schema", "--batch_size", "1,8"],
+            "json_schema",
+            dict(dataset="json-schema", batch_size="1,8"),
+        ),
+        (
             ["--llama_cpp_gguf", "a.gguf,b.gguf", "--llama_cpp_bin", "/opt/llama", "--request_rate", "2.5"],
             "run",
             dict(llama_cpp_gguf="a.gguf,b.gguf", llama_cpp_bin=Path("/opt/llama"), request_rate=2.5),
@@ -127,6 +132,7 @@ def test_the_command_gives_its_flags_to_one_benchmark_as_bench_options(monkeypat
     pick gets a BenchOptions holding the flags given and every other option's default."""
     import torch
 
+    import thunder_batch.bench.json_schema
     import thunder_batch.bench.prefix_run
     import thunder_batch.bench.speculative
     import thunder_batch.chat
@@ -141,6 +147,7 @@ def test_the_command_gives_its_flags_to_one_benchmark_as_bench_options(monkeypat
     monkeypatch.setattr(bench, "run_benchmark", record("run"))
     monkeypatch.setattr(thunder_batch.bench.prefix_run, "run_prefix_benchmark", record("prefix"))
     monkeypatch.setattr(thunder_batch.bench.speculative, "run_speculative_benchmark", record("speculative"))
+    monkeypatch.setattr(thunder_batch.bench.json_schema, "run_json_schema_benchmark", record("json_schema"))
     main(["bench", "--checkpoint_dir", "checkpoints/tiny", "--precision", "bfloat16", *flags])
     [load, (name, args, kwargs)] = calls
     assert load == ("load", (Path("checkpoints/tiny"),), dict(dtype=torch.bfloat16, device="cpu"))
@@ -515,3 +522,22 @@ def test_two_precision_run_end_to_end(tmp_path, capsys):
     assert kernels == linear_kernels() and f"CPU linears: float32 {kernels['float32']}; bfloat16" in printed
     if {"amx_bf16", "amx_tile"} <= build.cpu_flags():
         assert "bfloat16 AMX tiles, any rows (bf16 weights are the fast path here)" in printed
+
+
+@pytest.mark.slow
+def test_the_json_schema_bench_runs_free_constrained_and_forced_on_the_same_requests(monkeypatch):
+    """The real model, eager: every constrained answer parses, forced tokens give the tokens of one step each in
+    fewer steps, and the ratios are to the free run; llama.cpp is skipped without a build."""
+    from thunder_batch.bench.json_schema import run_json_schema_benchmark
+    from thunder_batch.chat import prompt_style_for
+    from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
+
+    monkeypatch.delenv("LLAMA_CPP_BIN", raising=False)
+    gpt, tokenizer, config = load_checkpoint(default_checkpoint_dir())
+    options = BenchOptions(dataset="json-schema", systems="eager", batch_size="2", num_requests=4, max_new_tokens=64)
+    rows = run_json_schema_benchmark(gpt, tokenizer, prompt_style_for(config, default_checkpoint_dir()), options)
+    free, constrained, forced = rows
+    assert [r["variant"] for r in rows] == ["free", "json_schema", "json_schema+forced"]
+    assert constrained["parsed"] == forced["parsed"] == 4 and forced["tokens_equal_to_one_step_each"]
+    assert forced["steps"] < constrained["steps"] and free["tok_s_x_free"] == 1.0
+    assert constrained["tok_s_x_free"] == round(constrained["tok_s"] / free["tok_s"], 3)

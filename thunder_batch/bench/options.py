@@ -22,7 +22,10 @@ class BenchOptions:
             and `input_len` new user tokens; "shared-prefix": `num_requests` requests at once sharing an
             `input_len`-token system prompt, each with 40 tokens of its own, and a control workload
             sharing nothing. Both run each engine system of `systems` with prefix reuse off and on and
-            compare them (other systems and options are ignored; `batch_size`: the first one).
+            compare them (other systems and options are ignored; `batch_size`: the first one);
+            "json-schema": `num_requests` chat requests each asking for JSON of its own schema (fixed keys), run
+            free, constrained, and constrained with forced tokens per engine system and batch size, and through
+            llama-server free and with `json_schema` when a llama.cpp build and GGUF are given (bench/json_schema.py).
         num_requests: Number of requests (N).
         max_new_tokens: Most tokens per request; each request's limit is drawn uniformly from
             [max_new_tokens * (1 - range_ratio), max_new_tokens].
@@ -75,7 +78,7 @@ class BenchOptions:
         copy_mb: MiB copied to measure the peak copy bandwidth.
     """
 
-    dataset: Literal["prompts", "grounded", "random", "multi-turn", "shared-prefix"] = "prompts"
+    dataset: Literal["prompts", "grounded", "random", "multi-turn", "shared-prefix", "json-schema"] = "prompts"
     num_requests: int = 32
     max_new_tokens: int = 64
     input_len: int = 128

@@ -38,6 +38,7 @@ def bench(**flags) -> None:
     """Benchmark the engine (eager and under Thunder per executor) against litgpt's generate_fn and
     batched_generate_fn on the same requests and weights; greedy tokens are checked across systems.
     """
+    from thunder_batch.bench.json_schema import run_json_schema_benchmark
     from thunder_batch.bench.prefix import PREFIX_DATASETS
     from thunder_batch.bench.prefix_run import run_prefix_benchmark
     from thunder_batch.bench.run import run_benchmark
@@ -52,6 +53,9 @@ def bench(**flags) -> None:
         run_prefix_benchmark(gpt, tokenizer, options)
         return
     prompt_style = prompt_style_for(config, checkpoint_dir)
+    if options.dataset == "json-schema":
+        run_json_schema_benchmark(gpt, tokenizer, prompt_style, options)
+        return
     if parse_ks(options.speculative_tokens) != [0]:
         run_speculative_benchmark(gpt, tokenizer, prompt_style, options)
         return
