@@ -526,8 +526,9 @@ def test_two_precision_run_end_to_end(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_json_schema_bench_runs_free_constrained_and_forced_on_the_same_requests(monkeypatch):
-    """The real model, eager: every constrained answer parses, forced tokens give the tokens of one step each in
-    fewer steps, and the ratios are to the free run; llama.cpp is skipped without a build."""
+    """The real model, eager: every constrained answer parses, forced tokens (always, and where they pay) give the
+    tokens of one step each (always: in fewer steps), the free run is as long, and the ratios are to it; llama.cpp
+    is skipped without a build."""
     from thunder_batch.bench.json_schema import run_json_schema_benchmark
     from thunder_batch.chat import prompt_style_for
     from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint
@@ -536,8 +537,10 @@ def test_the_json_schema_bench_runs_free_constrained_and_forced_on_the_same_requ
     gpt, tokenizer, config = load_checkpoint(default_checkpoint_dir())
     options = BenchOptions(dataset="json-schema", systems="eager", batch_size="2", num_requests=4, max_new_tokens=64)
     rows = run_json_schema_benchmark(gpt, tokenizer, prompt_style_for(config, default_checkpoint_dir()), options)
-    free, constrained, forced = rows
-    assert [r["variant"] for r in rows] == ["free", "json_schema", "json_schema+forced"]
-    assert constrained["parsed"] == forced["parsed"] == 4 and forced["tokens_equal_to_one_step_each"]
+    constrained, free, forced, gated = rows
+    assert [r["variant"] for r in rows] == ["json_schema", "free", "json_schema+forced", "json_schema+gate"]
+    assert constrained["parsed"] == forced["parsed"] == gated["parsed"] == 4 and free["parsed"] == 0
+    assert forced["tokens_equal_to_one_step_each"] and gated["tokens_equal_to_one_step_each"]
+    assert free["generated_tokens"] == constrained["generated_tokens"]  # like for like
     assert forced["steps"] < constrained["steps"] and free["tok_s_x_free"] == 1.0
     assert constrained["tok_s_x_free"] == round(constrained["tok_s"] / free["tok_s"], 3)

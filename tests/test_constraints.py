@@ -151,7 +151,7 @@ def test_regex_choice_and_grammars_hold(engine):
 
 
 @pytest.mark.slow
-def test_forced_tokens_give_the_tokens_of_one_step_each_in_fewer_steps(engine):
+def test_forced_tokens_give_the_tokens_of_one_step_each_in_fewer_steps():
     """Tokens the grammar alone allows are appended unsampled and fed at once: the same tokens (greedy and seeded,
     beside free rows), logprobs (0 where forced; others within a prefill row's rounding), in fewer steps."""
     from thunder_batch.tool_calls import tool_grammar, tool_prompt
@@ -167,17 +167,41 @@ def test_forced_tokens_give_the_tokens_of_one_step_each_in_fewer_steps(engine):
         SamplingParams(max_new_tokens=60, grammar=tool_grammar([tool], "required")),
         SamplingParams(max_new_tokens=20),
     ]
-    one_each = Engine.from_checkpoint(
-        default_checkpoint_dir(), EngineConfig(compile="eager", forced_tokens=False, **CONFIG)
+    forcing, one_each = (
+        Engine.from_checkpoint(default_checkpoint_dir(), EngineConfig(compile="eager", forced_tokens=f, **CONFIG))
+        for f in (True, False)
     )
-    steps = [e.stats()["steps"] for e in (engine, one_each)]
-    forced, plain = engine.generate(prompts, params), one_each.generate(prompts, params)
-    steps = [e.stats()["steps"] - before for e, before in zip((engine, one_each), steps)]
+    forced, plain = forcing.generate(prompts, params), one_each.generate(prompts, params)
+    steps = [e.stats()["steps"] for e in (forcing, one_each)]
     for a, b in zip(forced, plain):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
         assert [[t for t, _ in top] for top in a.top_logprobs] == [[t for t, _ in top] for top in b.top_logprobs]
     assert 0.0 in forced[0].logprobs and steps[0] < 0.75 * steps[1], steps
+
+
+def test_forced_tokens_below_the_least_asked_are_not_taken_and_the_gate_weighs_measured_steps():
+    from litgpt import Tokenizer
+
+    from thunder_batch.constraints import GrammarCompiler, normalize_constraint
+    from thunder_batch.forced import ForcedTokensGate
+
+    tokenizer = Tokenizer(default_checkpoint_dir())
+    compiler = GrammarCompiler(tokenizer, tokenizer.eos_id, 49152)
+    schema = {"type": "object", "properties": {"population": {"type": "integer"}}, "required": ["population"]}
+    params = SamplingParams(json_schema=dict(schema, additionalProperties=False))
+    kind, text = normalize_constraint(params)
+    one, two = (compiler.constraint(kind, text, {tokenizer.eos_id}) for _ in range(2))
+    start = tokenizer.encode("{", bos=False).tolist()
+    assert one.forced(start, limit=50, least=99) == [] and one.taken == len(start)  # rolled back: nothing taken
+    forced = one.forced(start, limit=50)
+    assert forced == two.forced(start, limit=50) and len(forced) >= 3  # the key's tokens, as from a fresh state
+    assert tokenizer.decode(torch.tensor(start + forced)).startswith('{"population":')
+    gate = ForcedTokensGate()
+    for lanes, seconds in [(0, 9.0), (1, 9.0), (0, 0.02), (1, 0.06)]:  # the first of each kind is not counted
+        gate.record(lanes, seconds)
+    assert gate.least(1, running=1) == 2 and gate.least(1, running=8) == 16  # B + k >= r B with r = 3
+    assert ForcedTokensGate().least(1, running=1) is None  # nothing measured: sample one step each
 
 
 @pytest.mark.parametrize(

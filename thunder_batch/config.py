@@ -108,10 +108,11 @@ class EngineConfig:
     speculative_tokens: int = 0
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 3
-    # A constrained request's next tokens that its grammar alone allows (a JSON key, a tool call's tags) are
-    # appended without sampling and fed at once, like a prompt's rest (constraints.Constraint.forced): the same
-    # tokens as sampling them one step each, in fewer steps. False: one step per token.
-    forced_tokens: bool = True
+    # A constrained request's next tokens that its grammar alone allows (a JSON key, a tool call's tags) may be
+    # appended without sampling and fed at once through a prefill lane (constraints.Constraint.forced): the same
+    # tokens as sampling them one step each, in fewer but dearer steps. None: where the engine's measured step
+    # times say the lane pays (forced.py); True: always; False: never (one step a token).
+    forced_tokens: bool | None = None
     # Block linears and head as GGUF quantized blocks of this format (quantized.QUANTIZABLE: q8_0 ... q5_1),
     # made from the model's float32 weights when the engine is built (the model is changed in place); None: as
     # loaded (a GGUF file's quantized linears stay quantized either way). float32 activations, CPU.
@@ -137,8 +138,8 @@ class EngineConfig:
         require_int("prefix_copy_min", self.prefix_copy_min, 1)
         require_int("prefix_store_mb", self.prefix_store_mb, 0)
         self._check_speculative()
-        if not isinstance(self.forced_tokens, bool):
-            raise ParamError("forced_tokens", f"forced_tokens must be True or False, got {self.forced_tokens!r}")
+        if self.forced_tokens is not None and not isinstance(self.forced_tokens, bool):
+            raise ParamError("forced_tokens", f"forced_tokens must be None, True or False, got {self.forced_tokens!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             choices = ", ".join(QUANTIZATIONS)
             raise ParamError("quantization", f"quantization must be one of {choices}; got {self.quantization!r}")

@@ -124,10 +124,11 @@ class Constraint:
                 self._fresh = False
         self.taken = max(self.taken, len(output_ids))
 
-    def forced(self, output_ids: list[int], limit: int) -> list[int]:
+    def forced(self, output_ids: list[int], limit: int, least: int = 1) -> list[int]:
         """After taking output_ids: up to `limit` tokens that are, one after another, the only token the grammar
-        allows (a stop token never: the grammar does not accept there), taken too. Sampling would give each of
-        them whatever the logits (a masked head leaves one finite logit), so they can be fed without sampling."""
+        allows (a stop token never: the grammar does not accept there), taken too; none (and none taken) when
+        there are fewer than `least`. Sampling would give each of them whatever the logits (a masked head leaves
+        one finite logit), so they can be fed without sampling."""
         self.advance(output_ids)
         tokens = []
         while len(tokens) < limit and not (self.matcher.is_error() or self.matcher.is_accepting()):
@@ -137,6 +138,11 @@ class Constraint:
             self.matcher.consume_token(token)
             self._fresh = False
             tokens.append(token)
+        if len(tokens) < least:
+            if tokens:
+                self.matcher.rollback(len(tokens))
+                self._fresh = False
+            return []
         self.taken += len(tokens)
         return tokens
 

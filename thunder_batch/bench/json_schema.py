@@ -1,8 +1,9 @@
 """`thunder-batch bench --dataset json-schema`: structured output's cost and its forced tokens. N chat requests,
 each a JSON schema and a prompt asking for it (fresh: each names its own item), go through one engine per (system,
-batch size, variant), all at once: free (the same prompts, no schema), json_schema with forced tokens off (one step
-a token) and on (the default). Per run: generated tokens per second, the decode steps' median time (the
-like-for-like number: a JSON answer is shorter than a free one), steps, the answers that parse; the ratios to free;
+batch size, variant), all at once: json_schema with forced tokens off (one step a token), free (the same prompts,
+no schema, each request made to give as many tokens as its JSON answer: like for like), json_schema with forced
+tokens always fed at once, and with the default gate (where measured step times say it pays: forced.py). Per run:
+generated tokens per second, the decode steps' median time, steps, the answers that parse; the ratios to free;
 whether forced tokens gave every request the tokens of one step each. With a llama.cpp build and GGUF
 (`--llama_cpp_bin`, `--llama_cpp_gguf`: the same weights), llama-server runs the same requests free and with
 `json_schema` at each batch size."""
@@ -40,7 +41,8 @@ KINDS = [
     ),
     ("a trip", dict(origin=NAME, destination=NAME, days={"type": "integer", "minimum": 1, "maximum": 60})),
 ]
-VARIANTS = ("free", "json_schema", "json_schema+forced")
+# variant -> EngineConfig.forced_tokens; "json_schema" runs first: "free" then asks each request for as many tokens
+VARIANTS = {"json_schema": False, "free": False, "json_schema+forced": True, "json_schema+gate": None}
 
 
 def schema_requests(num_requests: int) -> list[tuple[str, dict]]:
@@ -53,16 +55,23 @@ def schema_requests(num_requests: int) -> list[tuple[str, dict]]:
     return out
 
 
-def run_variant(engine, prompts, schemas, variant: str, max_new_tokens: int) -> dict:
-    """Every request at once through `engine`; its decode-only steps timed apart (observers)."""
+def run_variant(engine, prompts, schemas, variant: str, lengths: list[int] | None, max_new_tokens: int) -> dict:
+    """Every request at once through `engine`; its decode-only steps timed apart (observers). "free": no schema,
+    each request made to give `lengths[i]` tokens (its constrained answer's), so both runs generate as much."""
     from thunder_batch.config import SamplingParams
 
-    free = variant == "free"
-    params = [SamplingParams(max_new_tokens=max_new_tokens, json_schema=None if free else s) for s in schemas]
-    decode_s: list[float] = []
-    watch = engine.observers.add(
-        lambda e: decode_s.append(e.seconds) if all(len(w.token_ids) == 1 for w in e.plan.work) else None
-    )
+    if variant == "free":  # token ids: no chat stop tokens, so each request gives its length
+        prompts = [engine.encode(p) for p in prompts]
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    else:
+        params = [SamplingParams(max_new_tokens=max_new_tokens, json_schema=s) for s in schemas]
+    decode_s: list[float] = []  # steps whose every slot fed one token
+
+    def timed(event) -> None:
+        if all(len(w.token_ids) == 1 for w in event.plan.work):
+            decode_s.append(event.seconds)
+
+    watch = engine.observers.add(timed)
     steps = engine.stats()["steps"]
     start = time.perf_counter()
     results = engine.generate(prompts, params)
@@ -95,14 +104,14 @@ def engine_rows(gpt, tokenizer, prompts, schemas, systems: dict, base: dict, opt
     rows = []
     for name, overrides in systems.items():
         for batch_size in [int(b) for b in str(options.batch_size).split(",")]:
-            runs = {}
-            for variant in VARIANTS:
+            runs, lengths = {}, None
+            for variant, forced in VARIANTS.items():
                 fields = dict(base, batch_size=batch_size, prefill_lanes=min(base["prefill_lanes"], batch_size))
-                config = EngineConfig(**fields, **overrides, forced_tokens=variant.endswith("forced"))
-                engine = Engine(gpt, config, tokenizer=tokenizer)
+                engine = Engine(gpt, EngineConfig(**fields, **overrides, forced_tokens=forced), tokenizer=tokenizer)
                 engine.warmup()
                 engine.generate(prompts[:batch_size], [_warm_params(s) for s in schemas[:batch_size]])  # heads made
-                runs[variant] = run_variant(engine, prompts, schemas, variant, options.max_new_tokens)
+                runs[variant] = run_variant(engine, prompts, schemas, variant, lengths, options.max_new_tokens)
+                lengths = lengths or [max(1, len(t)) for t in runs[variant]["tokens"]]
                 del engine
             rows += [_row(name, batch_size, run, runs) for run in runs.values()]
             for row in rows[-len(VARIANTS) :]:
@@ -122,7 +131,7 @@ def _row(system: str, batch_size: int, run: dict, runs: dict) -> dict:
     row["tok_s_x_free"] = round(run["tok_s"] / free["tok_s"], 3)
     if run["decode_step_ms"] and free["decode_step_ms"]:
         row["decode_speed_x_free"] = round(free["decode_step_ms"] / run["decode_step_ms"], 3)
-    if run["variant"].endswith("forced"):
+    if run["variant"].startswith("json_schema+"):
         row["tokens_equal_to_one_step_each"] = run["tokens"] == runs["json_schema"]["tokens"]
     return row
 
@@ -139,7 +148,9 @@ def llama_cpp_rows(prompt_ids: list[list[int]], schemas, options: BenchOptions, 
     for batch_size in [int(b) for b in str(options.batch_size).split(",")]:
         process, url = start_server(server, gguf, batch_size, SimpleNamespace(max_seq_length=max_seq_length))
         try:
-            runs = {v: _llama_variant(url, prompt_ids, schemas, v, options.max_new_tokens) for v in VARIANTS[:2]}
+            runs = {"json_schema": _llama_variant(url, prompt_ids, schemas, None, options.max_new_tokens)}
+            runs["free"] = _llama_variant(url, prompt_ids, schemas, runs["json_schema"].pop("lengths"), 0)
+            runs["free"].pop("lengths")
         finally:
             process.terminate()
             process.wait(timeout=30)
@@ -150,16 +161,19 @@ def llama_cpp_rows(prompt_ids: list[list[int]], schemas, options: BenchOptions, 
     return rows
 
 
-def _llama_variant(url: str, prompt_ids, schemas, variant: str, max_new_tokens: int) -> dict:
-    """Every request at once on its own connection: tokens per second over the run, answers that parse."""
+def _llama_variant(url: str, prompt_ids, schemas, lengths: list[int] | None, max_new_tokens: int) -> dict:
+    """Every request at once on its own connection: with its `json_schema`, or (lengths given) free, each request
+    made to give lengths[i] tokens. Tokens per second over the run, answers that parse, each answer's length."""
     from concurrent.futures import ThreadPoolExecutor
 
     import requests
 
     def one(i: int) -> dict:
-        body = dict(prompt=prompt_ids[i], n_predict=max_new_tokens, temperature=0.0, cache_prompt=False)
-        if variant != "free":
-            body["json_schema"] = schemas[i]
+        body = dict(prompt=prompt_ids[i], temperature=0.0, cache_prompt=False)
+        if lengths is None:
+            body.update(json_schema=schemas[i], n_predict=max_new_tokens)
+        else:
+            body.update(n_predict=lengths[i], ignore_eos=True)
         response = requests.post(f"{url}/completion", json=body, timeout=3600)
         response.raise_for_status()
         return response.json()
@@ -168,9 +182,16 @@ def _llama_variant(url: str, prompt_ids, schemas, variant: str, max_new_tokens: 
     with ThreadPoolExecutor(len(prompt_ids)) as pool:
         answers = list(pool.map(one, range(len(prompt_ids))))
     wall = time.perf_counter() - start
-    generated = sum(a.get("tokens_predicted", 0) for a in answers)
+    counts = [a.get("tokens_predicted", 0) for a in answers]
     parsed = sum(_parses(a.get("content", "")) for a in answers)
-    return dict(variant=variant, tok_s=round(generated / wall, 2), generated_tokens=generated, parsed=parsed)
+    variant = "free" if lengths is not None else "json_schema"
+    return dict(
+        variant=variant,
+        tok_s=round(sum(counts) / wall, 2),
+        generated_tokens=sum(counts),
+        parsed=parsed,
+        lengths=[max(1, n) for n in counts],
+    )
 
 
 def run_json_schema_benchmark(gpt, tokenizer, prompt_style, options: BenchOptions) -> list[dict]:
