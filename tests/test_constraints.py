@@ -181,6 +181,7 @@ def test_forced_tokens_give_the_tokens_of_one_step_each_in_fewer_steps():
 
 
 def test_forced_tokens_below_the_least_asked_are_not_taken_and_the_gate_weighs_measured_steps():
+    import numpy as np
     from litgpt import Tokenizer
 
     from thunder_batch.constraints import GrammarCompiler, normalize_constraint
@@ -194,6 +195,10 @@ def test_forced_tokens_below_the_least_asked_are_not_taken_and_the_gate_weighs_m
     one, two = (compiler.constraint(kind, text, {tokenizer.eos_id}) for _ in range(2))
     start = tokenizer.encode("{", bos=False).tolist()
     assert one.forced(start, limit=50, least=99) == [] and one.taken == len(start)  # rolled back: nothing taken
+    fresh, rows = compiler.constraint(kind, text, {tokenizer.eos_id}), np.zeros((2, 49152 // 32), dtype=np.int32)
+    fresh.advance(start)
+    one.fill(rows[0]), fresh.fill(rows[1])
+    assert (rows[0] == rows[1]).all() and rows[0].any()  # the mask of the state before them, as a fresh one's
     forced = one.forced(start, limit=50)
     assert forced == two.forced(start, limit=50) and len(forced) >= 3  # the key's tokens, as from a fresh state
     assert tokenizer.decode(torch.tensor(start + forced)).startswith('{"population":')

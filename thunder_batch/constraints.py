@@ -130,18 +130,19 @@ class Constraint:
         there are fewer than `least`. Sampling would give each of them whatever the logits (a masked head leaves
         one finite logit), so they can be fed without sampling."""
         self.advance(output_ids)
-        tokens = []
+        tokens, first = [], None
         while len(tokens) < limit and not (self.matcher.is_error() or self.matcher.is_accepting()):
             token = self._only_token()
             if token is None or token >= self._model_vocab:
                 break
+            first = self._row.copy() if first is None else first  # the mask of the state before them
             self.matcher.consume_token(token)
             self._fresh = False
             tokens.append(token)
         if len(tokens) < least:
-            if tokens:
+            if tokens:  # back to the state before them, and its mask
                 self.matcher.rollback(len(tokens))
-                self._fresh = False
+                self._row[:], self._fresh = first, True
             return []
         self.taken += len(tokens)
         return tokens

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from thunder_batch.chat import prompt_style_for
 from thunder_batch.config import EngineConfig, ParamError, SamplingParams, choice_seed, is_chat
 from thunder_batch.drafts import Drafter, accepted_tokens
-from thunder_batch.forced import ForcedTokensGate
+from thunder_batch.forced import ForcedTokens
 from thunder_batch.intake import PromptIntake
 from thunder_batch.kv_cache import bytes_per_token
 from thunder_batch.observe import Observers, StepEvent
@@ -40,7 +40,7 @@ class Engine:
             cfg.batch_size, cfg.prefill_chunk, cfg.lane_counts, cfg.prefix_reuse, cfg.prefix_copy_min, store_tokens
         )
         self.drafter = Drafter(cfg) if cfg.speculative_tokens else None
-        self._forcing = ForcedTokensGate()  # when a constrained request's forced tokens pay for a lane
+        self.forced = ForcedTokens(cfg)  # a constrained request's tokens fed unsampled where that pays
         self.vocab_size = model.config.padded_vocab_size
         self.intake = PromptIntake(self.config.max_seq_length, tokenizer, self.prompt_style, self.vocab_size)
         eos = getattr(tokenizer, "eos_id", None)
@@ -185,8 +185,7 @@ class Engine:
             raise
         seconds = time.perf_counter() - planned
         self._counters["steps"] += 1
-        if not plan.verify:
-            self._forcing.record(plan.busy_lanes, seconds)
+        self.forced.record(plan, seconds)
         outputs = [output for work in plan.work if (output := self._advance(work, result)) is not None]
         if self.drafter is not None and (plan.verify or not plan.busy_lanes):  # the gate weighs decode steps
             self.drafter.gate.record(result.shape.lanes if plan.verify else "plain", seconds)
@@ -231,27 +230,14 @@ class Engine:
             if not work.samples:
                 return []
             token, top = result.tokens[work.slot], result.top[work.slot] if result.top is not None else None
-            return [(token, result.logprobs[work.slot], top), *self._forced(work.request, token, top is not None)]
+            forced = self.forced.after(work.request, token, top is not None, self.scheduler.num_running())
+            return [(token, result.logprobs[work.slot], top), *forced]
         first = work.lane * (self.config.speculative_tokens + 1)
         tokens = accepted_tokens(work.draft, result.verify_tokens[first : first + len(work.token_ids)])
         self.drafter.record(work, len(tokens) - 1)
         rows = range(first, first + len(tokens))
         tops = [result.verify_top[r] if result.verify_top is not None else None for r in rows]
         return list(zip(tokens, [result.verify_logprobs[r] for r in rows], tops))
-
-    def _forced(self, request, token: int, tops: bool) -> list[tuple]:
-        """The tokens a constrained request's grammar alone allows after `token`, the one just sampled, where a
-        prefill lane feeding them pays (forced.py; always with forced_tokens=True), each with the logprob and
-        alternatives sampling gives it (log 1 = 0: the masked distribution holds it alone)."""
-        cfg = self.config
-        if request.constraint is None or cfg.forced_tokens is False or token in request.stop_ids or not cfg.lane_counts:
-            return []
-        least = 1 if cfg.forced_tokens else self._forcing.least(cfg.lanes_for(1), self.scheduler.num_running())
-        if least is None:
-            return []
-        limit = min(request.params.max_new_tokens - len(request.output_ids) - 1, cfg.prefill_chunk - 1)
-        forced = request.constraint.forced([*request.output_ids, token], limit, least)
-        return [(t, 0.0, [(t, 0.0)] if tops else None) for t in forced]
 
     def _score_prompt(self, work, result) -> None:
         """Record the logprobs of the prompt tokens that follow this work's rows (a `_prompt` head)."""

@@ -33,3 +33,29 @@ class ForcedTokensGate:
         if plain is None or wide is None:
             return None
         return max(1, math.ceil(running * (wide / plain - 1)))
+
+
+class ForcedTokens:
+    """The engine's side: which forced tokens a request takes after a step (`after`), from the config and the
+    gate, which every step's time feeds (`record`)."""
+
+    def __init__(self, config) -> None:
+        self.config, self.gate = config, ForcedTokensGate()
+
+    def record(self, plan, seconds: float) -> None:
+        if not plan.verify:
+            self.gate.record(plan.busy_lanes, seconds)
+
+    def after(self, request, token: int, tops: bool, running: int) -> list[tuple]:
+        """(token, logprob, alternatives) of each token the request's grammar alone allows after `token`, just
+        sampled, where feeding them at once pays (always with forced_tokens=True): logprob log 1 = 0 and the
+        token its only alternative, as a masked head gives it."""
+        cfg = self.config
+        if request.constraint is None or cfg.forced_tokens is False or token in request.stop_ids or not cfg.lane_counts:
+            return []
+        least = 1 if cfg.forced_tokens else self.gate.least(cfg.lanes_for(1), running)
+        if least is None:
+            return []
+        limit = min(request.params.max_new_tokens - len(request.output_ids) - 1, cfg.prefill_chunk - 1)
+        forced = request.constraint.forced([*request.output_ids, token], limit, least)
+        return [(t, 0.0, [(t, 0.0)] if tops else None) for t in forced]
