@@ -39,8 +39,8 @@ class BenchOptions:
             the engine's default (256, 512, ... up to max_seq_length).
         max_seq_length: KV cache length per slot; None fits the workload (rounded up to 64).
         turns: Turns per conversation of the multi-turn dataset.
-        repeats: Runs of each multi-turn / shared-prefix workload with reuse off and on, alternating; the
-            fastest of each is compared (the machine's noise).
+        repeats: Runs of each multi-turn / shared-prefix workload with reuse off and on (json-schema: of each
+            variant), alternating; the fastest of each is compared (the machine's noise).
         prefix_reuse: Engines keep their slots' caches for prompts sharing a prefix (the other datasets).
         prefix_store_mb: Host memory (MiB) for kept prefixes that new prompts write over (0: none, so
             only the slots keep prefixes).
