@@ -44,6 +44,7 @@ ENGINE_FLAGS = {
     "cache_dir": "null",
     "prefix_reuse": "True",
     "speculative_tokens": "0",
+    "forced_tokens": "null",
 }
 EXPECTED_FLAGS = {
     "generate": {**ENGINE_FLAGS, "compile": "thunder", "prompt": "null", "max_new_tokens": "64"},

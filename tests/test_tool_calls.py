@@ -171,7 +171,9 @@ def test_bad_tool_fields_are_400_naming_the_field(fields, param):
 
 
 # -- the real model: the engine's answer, and a live server's ---------------------------------------------
-ENGINE = dict(batch_size=2, max_seq_length=512, prefill_chunk=32)
+# forced_tokens pinned: the server's and the oracle's engines must feed the same steps (the default gate weighs
+# each engine's own step times), and the server's forced tokens are then exercised too
+ENGINE = dict(batch_size=2, max_seq_length=512, prefill_chunk=32, forced_tokens=True)
 ASKS = ["What is the weather in Paris?", "Add 12 and 30.", "Is it raining in Tokyo in celsius?"]
 
 

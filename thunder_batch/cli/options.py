@@ -85,6 +85,9 @@ class EngineOptions(ModelOptions):
         speculative_tokens: Speculative decoding: a decoding slot whose last tokens occurred earlier in its
             prompt or output proposes up to this many tokens that followed them, checked in one step
             (outputs are unchanged: greedy and seeded tokens equal those of 0). 0: off.
+        forced_tokens: A constrained request's tokens that its grammar alone allows (a JSON key, a tool call's
+            tags) are fed at once, unsampled, through a prefill lane: null where the engine's measured step times
+            say that pays, true always, false never (the same tokens either way).
     """
 
     batch_size: int = 8
@@ -98,6 +101,7 @@ class EngineOptions(ModelOptions):
     prefix_reuse: bool = True
     prefix_store_mb: int = 1024
     speculative_tokens: int = 0
+    forced_tokens: bool | None = None
 
     def engine_config(self):
         from thunder_batch.config import EngineConfig
@@ -114,6 +118,7 @@ class EngineOptions(ModelOptions):
             prefix_reuse=self.prefix_reuse,
             prefix_store_mb=self.prefix_store_mb,
             speculative_tokens=self.speculative_tokens,
+            forced_tokens=self.forced_tokens,
             quantization=self.quantization,
             int8_activations=self.int8_activations,
         )
