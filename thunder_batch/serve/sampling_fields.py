@@ -1,7 +1,7 @@
 """The sampling fields of a request beyond OpenAI's basics: the logit controls (OpenAI's penalties and logit_bias,
-vLLM's repetition_penalty, min_p, min_tokens) and structured output (OpenAI's response_format, vLLM's guided_*,
-llama.cpp's grammar / json_schema), as SamplingParams fields, which check them (logit_controls.py, constraints.py).
-Pure Python, like `openai`."""
+vLLM's repetition_penalty, min_p, min_tokens) and structured output (OpenAI's response_format and tools, vLLM's
+guided_*, llama.cpp's grammar / json_schema), as SamplingParams fields, which check them (logit_controls.py,
+constraints.py; tools: tool_calls.py). Pure Python, like `openai`."""
 
 from __future__ import annotations
 
