@@ -25,7 +25,8 @@ GATE_MARGIN = 1.1
 PRIOR_ACCEPTED = 1.0  # expected accepted drafts of a verify lane before any lane was checked
 
 
-def _average(old: float | None, new: float) -> float:
+def moving_average(old: float | None, new: float) -> float:
+    """GATE_DECAY of the old value (None: none yet) and the rest of the new one."""
     return new if old is None else GATE_DECAY * old + (1 - GATE_DECAY) * new
 
 
@@ -69,9 +70,9 @@ class StepCosts:
         if self.counts[kind] == 1:
             return
         if kind == "plain":
-            self.plain = _average(self.plain, seconds)
+            self.plain = moving_average(self.plain, seconds)
         elif self.plain is not None:
-            self.ratios[kind] = _average(self.ratios.get(kind), seconds / self.plain)
+            self.ratios[kind] = moving_average(self.ratios.get(kind), seconds / self.plain)
 
     def trusted(self, kind) -> bool:
         measured = self.plain is not None if kind == "plain" else kind in self.ratios
@@ -141,12 +142,12 @@ class Acceptance:
         return min(self.requests.get(request_id, self.prior), draft_len)
 
     def record(self, request_id, accepted: int) -> None:
-        self.requests[request_id] = _average(self.requests.get(request_id, self.prior), accepted)
-        self.overall = _average(self.overall, accepted)
+        self.requests[request_id] = moving_average(self.requests.get(request_id, self.prior), accepted)
+        self.overall = moving_average(self.overall, accepted)
 
     def unchecked(self, request_id) -> None:
         if request_id in self.requests:
-            self.requests[request_id] = _average(self.requests[request_id], self.prior)
+            self.requests[request_id] = moving_average(self.requests[request_id], self.prior)
 
     def finished(self, request_id) -> None:
         self.requests.pop(request_id, None)

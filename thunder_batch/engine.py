@@ -230,7 +230,7 @@ class Engine:
             if not work.samples:
                 return []
             token, top = result.tokens[work.slot], result.top[work.slot] if result.top is not None else None
-            forced = self.forced.after(work.request, token, top is not None, self.scheduler.num_running())
+            forced = self.forced.after(work.request, token, top is not None, self.scheduler.num_running)
             return [(token, result.logprobs[work.slot], top), *forced]
         first = work.lane * (self.config.speculative_tokens + 1)
         tokens = accepted_tokens(work.draft, result.verify_tokens[first : first + len(work.token_ids)])

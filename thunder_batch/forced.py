@@ -8,8 +8,9 @@ one step each otherwise: the same tokens either way."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
-DECAY = 0.8  # weight of the old value in the moving averages
+from thunder_batch.drafts import moving_average
 
 
 class ForcedTokensGate:
@@ -23,8 +24,7 @@ class ForcedTokensGate:
     def record(self, lanes: int, seconds: float) -> None:
         self.seen[lanes] = self.seen.get(lanes, 0) + 1
         if self.seen[lanes] > 1:
-            old = self.seconds.get(lanes)
-            self.seconds[lanes] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+            self.seconds[lanes] = moving_average(self.seconds.get(lanes), seconds)
 
     def least(self, lanes: int, running: int) -> int | None:
         """The fewest forced tokens a slot must have for a step of `lanes` lanes among `running` slots to beat
@@ -46,14 +46,15 @@ class ForcedTokens:
         if not plan.verify:
             self.gate.record(plan.busy_lanes, seconds)
 
-    def after(self, request, token: int, tops: bool, running: int) -> list[tuple]:
+    def after(self, request, token: int, tops: bool, running: Callable[[], int]) -> list[tuple]:
         """(token, logprob, alternatives) of each token the request's grammar alone allows after `token`, just
         sampled, where feeding them at once pays (always with forced_tokens=True): logprob log 1 = 0 and the
-        token its only alternative, as a masked head gives it."""
+        token its only alternative, as a masked head gives it. running(): the busy slots, asked only by the gate
+        (every sampled row of every step comes here)."""
         cfg = self.config
         if request.constraint is None or cfg.forced_tokens is False or token in request.stop_ids or not cfg.lane_counts:
             return []
-        least = 1 if cfg.forced_tokens else self.gate.least(cfg.lanes_for(1), running)
+        least = 1 if cfg.forced_tokens else self.gate.least(cfg.lanes_for(1), running())
         if least is None:
             return []
         limit = min(request.params.max_new_tokens - len(request.output_ids) - 1, cfg.prefill_chunk - 1)

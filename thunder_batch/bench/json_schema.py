@@ -215,16 +215,12 @@ def run_json_schema_benchmark(gpt, tokenizer, prompt_style, options: BenchOption
     """`bench --dataset json-schema`: the engine systems of `systems` (thunder-default when none is named) at each
     batch size of --batch_size, each variant; llama-server beside them when a build and GGUF are given. Prints one
     JSON row per run, writes them all to --output_json."""
-    from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
     from thunder_batch.bench.llama_cpp import server_path
-    from thunder_batch.bench.prefix_run import engine_overrides
+    from thunder_batch.bench.prefix_run import named_engine_systems
     from thunder_batch.bench.report import machine_info, write_json
-    from thunder_batch.bench.run_plan import ALL_SYSTEMS
     from thunder_batch.chat import apply_chat
 
-    named = [] if options.systems == ",".join(ALL_SYSTEMS) else options.systems.split(",")
-    names = [n.split("@")[0] for n in named if n.split("@")[0] in ENGINE_SYSTEMS] or ["thunder-default"]
-    systems = {n: engine_overrides(n, options.cache_dir) for n in names}
+    systems = named_engine_systems(options)
     asks = schema_requests(options.num_requests)
     prompts, schemas = [[dict(role="user", content=text)] for text, _ in asks], [s for _, s in asks]
     prompt_ids = [tokenizer.encode(apply_chat(prompt_style, p)).tolist() for p in prompts]

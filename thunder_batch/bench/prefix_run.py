@@ -123,6 +123,17 @@ def engine_overrides(system: str, cache_dir) -> dict:
     return dict(compile="thunder", executors=executors or None, cache_dir=None if cache_dir is None else str(cache_dir))
 
 
+def named_engine_systems(options: BenchOptions) -> dict:
+    """name -> EngineConfig overrides of the engine systems --systems names (thunder-default when it names none: the
+    default list is not a choice), for the benches that run engines only (speculative, json-schema)."""
+    from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
+    from thunder_batch.bench.run_plan import ALL_SYSTEMS
+
+    named = [] if options.systems == ",".join(ALL_SYSTEMS) else options.systems.split(",")
+    names = [n.split("@")[0] for n in named if n.split("@")[0] in ENGINE_SYSTEMS] or ["thunder-default"]
+    return {n: engine_overrides(n, options.cache_dir) for n in names}
+
+
 def _headline(summary: dict) -> dict:
     """The comparison without per-turn lists (stdout)."""
     keep = lambda d: {k: v for k, v in d.items() if k != "ttft_by_turn_s"}  # noqa: E731

@@ -146,15 +146,11 @@ def run_speculative_benchmark(gpt, tokenizer, prompt_style, options: BenchOption
     """`bench` with --speculative_tokens other than 0: the dataset's workload (prompts, grounded or
     random) through the engine systems of `systems` (thunder-default when none is named), each batch
     size of --batch_size, each k; prints one JSON row per run, writes them all to --output_json."""
-    from thunder_batch.bench.engine_runs import ENGINE_SYSTEMS
-    from thunder_batch.bench.prefix_run import engine_overrides
+    from thunder_batch.bench.prefix_run import named_engine_systems
     from thunder_batch.bench.report import machine_info, write_json
     from thunder_batch.bench.run import make_workload
-    from thunder_batch.bench.run_plan import ALL_SYSTEMS
 
-    named = [] if options.systems == ",".join(ALL_SYSTEMS) else options.systems.split(",")
-    names = [n.split("@")[0] for n in named if n.split("@")[0] in ENGINE_SYSTEMS] or ["thunder-default"]
-    systems = {n: engine_overrides(n, options.cache_dir) for n in names}
+    systems = named_engine_systems(options)
     workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, options)
     base = dict(
         max_seq_length=max_seq_length,
