@@ -1,5 +1,6 @@
-"""One request in flight, seen from an HTTP process: submitted to LitServe's queue, read message by
-message, cancelled if abandoned. It counts towards the server's in-flight requests from submission to
+"""One request in flight, seen from an HTTP process: submitted to LitServe's queue (`Call`; a Ray Serve
+replica's stream in `ray_ingress.ReplicaCall`), read message by message, cancelled if abandoned. It
+counts towards the server's in-flight requests from submission to
 close: when its answer is handed over, when it fails, and as soon as its client's disconnect arrives
 (`watch`: the ASGI disconnect message itself, not a poll, so a client that retries at once is not
 counted twice). It knows which worker took it (a 503 if that worker dies) and enforces the request timeout."""
@@ -40,28 +41,20 @@ class Messages:
                 item.event.set()
 
 
-class Call:
-    def __init__(self, routes, payload: dict, choices: int = 1):
+class CallBase:
+    """What a request in flight is, whoever carries it to an engine (LitServe's queue here, a Ray Serve
+    replica in `ray_ingress`): counted in flight from submission to close, watched for its client's
+    disconnect, and bounded by the request timeout. Subclasses post the request and read its messages."""
+
+    def __init__(self, routes, choices: int = 1):
         """routes: the OpenAIRoutes of this HTTP process; choices: what it counts for in flight."""
         self.routes, self.uid, self.choices = routes, uuid.uuid4().hex, choices
-        self.done, self.closed, self.owner = False, False, None  # owner: (worker index, pid) once claimed
+        self.done, self.closed = False, False
         self.gone, self._watcher = False, None  # gone: its client disconnected
         timeout = routes.settings.request_timeout
         self.started = time.monotonic()
         self.deadline = self.started + timeout if timeout else None
-        self.checked_at = self.started
-        self.item = ResponseBufferItem(event=asyncio.Event(), response_queue=deque())
-        if MESSAGES_UID not in routes.response_buffer:  # before the first message for this process can come
-            routes.response_buffer[MESSAGES_UID] = ResponseBufferItem(asyncio.Event(), Messages(routes.response_buffer))
-        routes.response_buffer[self.uid] = self.item
         routes.state.add_in_flight(routes.http_index, choices)
-        try:
-            routes.request_queue.put((routes.response_queue_id, self.uid, time.monotonic(), payload))
-            routes.state.announce_request()  # after the put: the woken worker finds it there
-        except Exception:
-            self.done = True
-            self.close()
-            raise APIError(503, "LitServe's request queue is unreachable; see /health", code="queue_lost") from None
 
     def watch(self, request: Request) -> None:
         """Close this call as soon as `request`'s client disconnects. Only while nothing else reads the
@@ -73,12 +66,64 @@ class Call:
             pass
         self.gone = True
         self.close()
-        self.item.event.set()
+        self._wake()
 
     def unwatch(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
+
+    def _wait_s(self) -> float:
+        if self.deadline is None:
+            return POLL_S
+        return max(min(POLL_S, self.deadline - time.monotonic()), 0.001)
+
+    def check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            timeout = self.routes.settings.request_timeout
+            raise APIError(504, f"the request ran past the server's request timeout ({timeout:g} s)", code="timeout")
+
+    def close(self) -> None:
+        """Stop counting it; if the engine may still be working on it, cancel it (frees its slot)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._watcher is not None and not self.gone:
+            self.unwatch()
+        self.routes.state.add_in_flight(self.routes.http_index, -self.choices)
+        self._closed()
+        if not self.done:
+            self.done = True
+            self._cancel()
+
+    def _wake(self) -> None:
+        """Wake a reader waiting in `next` (its client left)."""
+
+    def _closed(self) -> None:
+        """What a subclass lets go of when the call closes."""
+
+    def _cancel(self) -> None:
+        raise NotImplementedError
+
+
+class Call(CallBase):
+    """A request carried by LitServe's request queue to whichever worker takes it first."""
+
+    def __init__(self, routes, payload: dict, choices: int = 1):
+        super().__init__(routes, choices)
+        self.owner = None  # (worker index, pid) once claimed
+        self.checked_at = self.started
+        self.item = ResponseBufferItem(event=asyncio.Event(), response_queue=deque())
+        if MESSAGES_UID not in routes.response_buffer:  # before the first message for this process can come
+            routes.response_buffer[MESSAGES_UID] = ResponseBufferItem(asyncio.Event(), Messages(routes.response_buffer))
+        routes.response_buffer[self.uid] = self.item
+        try:
+            routes.request_queue.put((routes.response_queue_id, self.uid, time.monotonic(), payload))
+            routes.state.announce_request()  # after the put: the woken worker finds it there
+        except Exception:
+            self.done = True
+            self.close()
+            raise APIError(503, "LitServe's request queue is unreachable; see /health", code="queue_lost") from None
 
     async def next(self) -> dict:
         """The worker's next message; raises APIError for an error (504 past the deadline, 503 if the
@@ -105,16 +150,9 @@ class Call:
             with suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(event.wait(), self._wait_s())
 
-    def _wait_s(self) -> float:
-        if self.deadline is None:
-            return POLL_S
-        return max(min(POLL_S, self.deadline - time.monotonic()), 0.001)
-
     def _check(self) -> None:
+        self.check_deadline()
         now = time.monotonic()
-        if self.deadline is not None and now >= self.deadline:
-            timeout = self.routes.settings.request_timeout
-            raise APIError(504, f"the request ran past the server's request timeout ({timeout:g} s)", code="timeout")
         if now - self.checked_at < POLL_S:
             return
         self.checked_at = now
@@ -128,15 +166,11 @@ class Call:
         status = self.routes.state.worker(index)
         return status.pid == pid and status.alive
 
-    def close(self) -> None:
-        """Stop counting it; if the worker may still be working on it, post a cancel (frees its slot)."""
-        if self.closed:
-            return
-        self.closed = True
-        if self._watcher is not None and not self.gone:
-            self.unwatch()
-        self.routes.state.add_in_flight(self.routes.http_index, -self.choices)
+    def _wake(self) -> None:
+        self.item.event.set()
+
+    def _closed(self) -> None:
         self.routes.response_buffer.pop(self.uid, None)
-        if not self.done:
-            self.done = True
-            self.routes.board.post(self.uid)
+
+    def _cancel(self) -> None:
+        self.routes.board.post(self.uid)

@@ -44,6 +44,7 @@ class ParsedRequest:
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone comes back (its one made token is not sent)
     names: dict | None = None  # SamplingParams field -> the request's own name for it, where they differ
     tool_names: tuple = ()  # chat with tools (tool_choice not "none"): answers are read for calls to these
+    user: str | None = None  # OpenAI's end-user id: replicas behind a router keep one user's requests together
 
     @property
     def choices(self) -> int:
@@ -109,7 +110,9 @@ def parse_request(body: bytes, kind: str, limits: Limits = Limits()) -> ParsedRe
     names = {params.constraint[0]: request_field(data, params.constraint[0])} if params.constraint else None
     tool_names = tuple(t["function"]["name"] for t in tools)
     logprobs = logprobs is not None
-    return ParsedRequest(kind, prompts, params, stream, include_usage, n, echo, logprobs, echo_only, names, tool_names)
+    user = get_field(data, "user", str)
+    fields = (stream, include_usage, n, echo, logprobs, echo_only, names, tool_names, user)
+    return ParsedRequest(kind, prompts, params, *fields)
 
 
 def _chat_logprobs(data: dict) -> int | None:

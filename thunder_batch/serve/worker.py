@@ -74,6 +74,10 @@ class EngineAPI(ls.LitAPI):
         self.index = int(os.environ.get("LITSERVE_WORKER_ID", "0"))
         with suppress(ValueError):  # SIGTERM waits for the main process's drain (not the main thread: no handler)
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.start(device)
+
+    def start(self, device) -> None:
+        """Build this worker's engine on its engine thread and serve it (LitServe's `setup`, a Ray replica)."""
         fields = dict(ready=0, failed_steps=0, queue_lost=0, running=0, waiting=0)
         self.state.set_worker(self.index, pid=os.getpid(), **fields)
         self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
