@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Literal
 
 from thunder_batch.cli.options import EngineOptions
@@ -26,6 +27,9 @@ def serve(
     request_timeout: float = 600.0,
     drain_timeout: float = 30.0,
     worker_timeout: float = 30.0,
+    replicas: int | None = None,
+    ray_address: str | None = None,
+    routing: Literal["prefix", "least_loaded"] = "prefix",
     log_level: Literal["debug", "info", "warning", "error"] = "info",
     **options,
 ) -> None:
@@ -55,23 +59,29 @@ def serve(
         drain_timeout: Seconds SIGTERM waits for requests in flight before stopping (SIGTERM to the main
             process or to its whole process group; the other processes wait for the main one).
         worker_timeout: Seconds without a heartbeat from a ready worker's event loop (stopped, deadlocked)
-            before it is killed and restarted; its requests get 503. 0: never.
+            before it is killed and restarted; its requests get 503. 0: never. With --replicas: Ray's
+            health check timeout, after which the replica is replaced.
+        replicas: Serve N engine replicas as a Ray Serve application (needs the `ray` extra) instead of
+            LitServe workers: each replica gets cores // N torch threads (or one GPU with --accelerator
+            cuda), and a router sends each request to the replica holding its longest prompt prefix.
+        ray_address: With --replicas, the Ray cluster to run on ("auto": the one this node belongs to).
+            Default: a local Ray instance, started and stopped with this command.
+        routing: With --replicas: "prefix" (a session's replica, else the longest cached prefix's while
+            it is at most a few requests busier than the least loaded, else the least loaded) or
+            "least_loaded".
         log_level: LitServe and uvicorn log level.
     """
     from thunder_batch.checkpoints import default_checkpoint_dir, validate_checkpoint_dir
 
     engine_options = EngineOptions(**options)
     engine_options.engine_config()  # a bad value fails here, not in every worker
-    for name, value in [
-        ("max_waiting", max_waiting),
-        ("request_timeout", request_timeout),
-        ("worker_timeout", worker_timeout),
-    ]:
-        if value is not None and value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
+    _check_limits(max_waiting=max_waiting, request_timeout=request_timeout, worker_timeout=worker_timeout)
+    if replicas is not None and replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
     checkpoint_dir = engine_options.checkpoint_dir
     # Convert the default model here, once, before any worker starts.
     checkpoint_dir = default_checkpoint_dir() if checkpoint_dir is None else validate_checkpoint_dir(checkpoint_dir)
+    engine_options = replace(engine_options, checkpoint_dir=checkpoint_dir)
     api_key = api_key or os.environ.get("THUNDER_BATCH_API_KEY") or None
     if api_key is None and not _loopback(host):
         print(
@@ -79,23 +89,49 @@ def serve(
             "(set THUNDER_BATCH_API_KEY)",
             file=sys.stderr,
         )
+    limits = dict(max_body_bytes=max_body_bytes, max_waiting=max_waiting, request_timeout=request_timeout or None)
+    limits.update(worker_timeout=worker_timeout or None)
+    if replicas is not None:
+        ray = dict(replicas=replicas, ray_address=ray_address, routing=routing, drain_timeout=drain_timeout)
+        return _serve_replicas(engine_options, limits, dict(ray, accelerator=accelerator), host, port, api_key)
     metrics_dir = _metrics_dir()
     try:
+        devices = "auto" if devices is None else devices
         server, state = build_server(
-            replace(engine_options, checkpoint_dir=checkpoint_dir),
+            engine_options,
             api_key=api_key,
             accelerator=accelerator,
-            devices="auto" if devices is None else devices,
+            devices=devices,
+            **limits,
             workers_per_device=workers_per_device,
-            max_body_bytes=max_body_bytes,
-            max_waiting=max_waiting,
-            request_timeout=request_timeout or None,
-            worker_timeout=worker_timeout or None,
         )
         run_server(server, host, port, log_level, state, drain_timeout)
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _check_limits(**limits) -> None:
+    for name, value in limits.items():
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _serve_replicas(options: EngineOptions, limits: dict, ray: dict, host: str, port: int, api_key) -> None:
+    """Run ray["replicas"] engines as a Ray Serve application (the `ray` extra) until SIGTERM."""
+    try:
+        from thunder_batch.serve.ray_app import ReplicaSettings, run_replicas
+        from thunder_batch.serve.routes import ServeSettings
+    except ImportError as e:
+        raise SystemExit(f"--replicas needs Ray Serve: pip install 'thunder_batch[ray]' ({e})") from None
+    if ray["accelerator"] == "auto":
+        import torch
+
+        ray["accelerator"] = "cuda" if torch.cuda.is_available() else "cpu"
+    model, batch_size = Path(options.checkpoint_dir).name, options.engine_config().batch_size
+    worker_timeout = limits.pop("worker_timeout")
+    settings = ServeSettings(model=model, batch_size=batch_size, workers=ray["replicas"], **limits)
+    run_replicas(options, settings, ReplicaSettings(worker_timeout=worker_timeout, **ray), host, port, api_key)
 
 
 def _loopback(host: str) -> bool:

@@ -114,3 +114,24 @@ def _gauges(state, model: str) -> bytes:
     )
     gauge("server_draining", "1 while the server drains before stopping", [("", int(state.draining))])
     return ("\n".join(lines) + "\n").encode()
+
+
+def merge_replicas(texts: dict[str, str]) -> bytes:
+    """Several replicas' Prometheus texts as one, each sample labelled with its replica (a family's
+    samples stay together, as the text format requires). texts: replica id -> its /metrics text."""
+    import prometheus_client as pc
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, object] = {}
+    for replica, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = pc.metrics_core.Metric(family.name, family.documentation, family.type)
+            merged.samples += [s._replace(labels={**s.labels, "replica": replica}) for s in family.samples]
+
+    class Merged:
+        def collect(self):
+            return list(families.values())
+
+    return pc.generate_latest(Merged())
