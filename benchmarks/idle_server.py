@@ -1,6 +1,7 @@
 """What an idle `thunder-batch serve` costs, and how fast it wakes for a request.
 
     python benchmarks/idle_server.py --seconds 60
+    python benchmarks/idle_server.py --seconds 30 --replicas 2     # serve --replicas 2 on a local Ray
 
 1. A live server (the default model, eager, one thread) after its warm-up: CPU-seconds each of its processes
    uses over --seconds with no request, per 10 s, against the 0.05 target; beside it, in the same run, a bare
@@ -45,9 +46,19 @@ def idle_cpu(pid: int, seconds: float) -> dict[str, float]:
         role = (
             "worker (spawned)" if "spawn_main" in line else "resource tracker" if "resource_tracker" in line else None
         )
-        role = role or ("main" if p.pid == pid else f"child {p.pid} (HTTP or queue manager)")
+        role = role or ray_role(line, p.pid) or ("main" if p.pid == pid else f"child {p.pid} (HTTP or queue manager)")
         used[role] = (after.get(p.pid, 0) - before.get(p.pid, 0)) * 10 / seconds
     return used
+
+
+def ray_role(line: str, pid: int) -> str | None:
+    """A Ray process's role: an actor's name ("ServeReplica:thunder-batch:Engine"), else its program's."""
+    if line.startswith("ray::"):
+        return f"ray {line.split()[0].removeprefix('ray::')} {pid}"
+    program = os.path.basename(line.split()[0]) if line else ""
+    if "/ray/" in line and program:
+        return f"ray {program} {pid}" if program not in ("python", "python3") else f"ray {line.split()[1][-40:]} {pid}"
+    return None
 
 
 def bare_uvicorn_cpu(port: int, seconds: float) -> float:
@@ -88,10 +99,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=60.0, help="idle time measured")
     parser.add_argument("--port", type=int, default=18231)
+    parser.add_argument("--replicas", type=int, default=None, help="serve --replicas N (Ray Serve) instead")
     args = parser.parse_args()
     print("# " + subprocess.run("lscpu | grep Flags", shell=True, capture_output=True, text=True).stdout.strip())
     os.environ["OMP_NUM_THREADS"] = "1"  # the server's processes inherit it: one torch thread
     serve_args = ["--compile", "eager", "--batch_size", "8", "--max_seq_length", "256"]
+    serve_args += ["--replicas", str(args.replicas)] if args.replicas else []
     proc = start_server(args.port, serve_args)
     try:
         used = idle_cpu(proc.pid, args.seconds)
@@ -110,6 +123,8 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(90)
+    if args.replicas:
+        return  # the wake-up below is LitServe's queue, which Ray does not use
     print(f"bare uvicorn app, idle: {bare_uvicorn_cpu(args.port + 1, args.seconds):.4f} CPU-s per 10 s")
     wakes = wake_latency(20, 0.3)
     print(

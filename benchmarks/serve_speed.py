@@ -75,6 +75,7 @@ def over_http(args) -> dict:
         tokens=tokens,
         tok_per_s=round(tokens / wall, 1),
         ttft_p50_s=round(statistics.median(ttft), 3),
+        ttft_p99_s=round(statistics.quantiles(ttft, n=100, method="inclusive")[98], 3) if len(ttft) > 1 else None,
         ttft_max_s=round(max(ttft), 3),
         itl_p50_ms=round(1000 * statistics.median(itl), 1) if itl else None,
         steps=steps_between(before, server_steps(args.url)),

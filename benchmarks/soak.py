@@ -9,6 +9,7 @@ the request alone, and the server's resident memory before and after. On the fir
 process's Python stacks are printed (py-spy, when it is on PATH).
 
     python benchmarks/soak.py --requests 2000 --clients 24 -- --batch_size 8 --workers_per_device 2
+    python benchmarks/soak.py --requests 600 --clients 16 -- --replicas 2 --compile eager --batch_size 8
 (arguments after `--` go to `thunder-batch serve`)
 """
 
@@ -158,9 +159,11 @@ def wait_idle(url: str, timeout: float = 120) -> None:
 def kill_a_busy_worker(url: str, soak: Soak, at: int) -> None:
     while soak.done < at:
         time.sleep(0.05)
-    workers = httpx.get(url + "/stats", timeout=30).json()["workers"]
+    stats = httpx.get(url + "/stats", timeout=30).json()
+    workers = stats.get("workers") or stats["replicas"]  # LitServe workers, or serve --replicas' engines
     victim = max(workers, key=lambda w: w.get("running", 0))
-    print(f"killing worker {victim['index']} (pid {victim['pid']}) after {soak.done} requests", file=sys.stderr)
+    name = victim.get("replica", victim.get("index"))
+    print(f"killing worker {name} (pid {victim['pid']}) after {soak.done} requests", file=sys.stderr)
     os.kill(victim["pid"], signal.SIGKILL)
 
 

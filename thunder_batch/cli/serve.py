@@ -69,7 +69,7 @@ def serve(
         routing: With --replicas: "prefix" (a session's replica, else the longest cached prefix's while
             it is at most a few requests busier than the least loaded, else the least loaded) or
             "least_loaded".
-        log_level: LitServe and uvicorn log level.
+        log_level: LitServe and uvicorn log level (Ray Serve's with --replicas).
     """
     from thunder_batch.checkpoints import default_checkpoint_dir, validate_checkpoint_dir
 
@@ -93,6 +93,7 @@ def serve(
     limits.update(worker_timeout=worker_timeout or None)
     if replicas is not None:
         ray = dict(replicas=replicas, ray_address=ray_address, routing=routing, drain_timeout=drain_timeout)
+        ray.update(log_level=log_level)
         return _serve_replicas(engine_options, limits, dict(ray, accelerator=accelerator), host, port, api_key)
     metrics_dir = _metrics_dir()
     try:

@@ -62,7 +62,10 @@ class CallBase:
         self._watcher = asyncio.ensure_future(self._watch(request))
 
     async def _watch(self, request: Request) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # the channel itself failed (Ray's proxy cancels it when the client leaves): gone too
             pass
         self.gone = True
         self.close()

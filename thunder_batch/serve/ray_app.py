@@ -39,6 +39,7 @@ class ReplicaSettings:
     accelerator: str = "cpu"  # "cuda": one GPU per replica
     worker_timeout: float | None = 30.0  # health check timeout (None: Ray's default)
     drain_timeout: float = 30.0
+    log_level: str = "info"  # Ray Serve's logs (its access log is at info)
 
     def threads(self) -> int:
         return max(1, (os.cpu_count() or 1) // self.replicas)
@@ -125,12 +126,15 @@ def run_replicas(
     from ray import serve
 
     local = replicas.ray_address is None
-    ray.init(address=replicas.ray_address, num_cpus=os.cpu_count() if local else None, include_dashboard=False)
+    level = replicas.log_level.upper()
+    cpus = os.cpu_count() if local else None
+    ray.init(address=replicas.ray_address, num_cpus=cpus, include_dashboard=False, logging_level=level)
     stop, sigterm = threading.Event(), threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: (sigterm.set(), stop.set()))
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(build_app(engine_options, settings, replicas, api_key), name=APP_NAME, route_prefix="/")
+        serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": level})
+        app = build_app(engine_options, settings, replicas, api_key)
+        serve.run(app, name=APP_NAME, route_prefix="/", logging_config={"log_level": level})
         logger.warning("serving %d replicas on http://%s:%d", replicas.replicas, host, port)
         while not stop.wait(1.0):
             pass

@@ -37,21 +37,19 @@ class ReplicaCall(CallBase):
         super().__init__(routes, choices)
         self.stream = routes.handle.options(stream=True).generate.remote(payload, route=route)
         self._next: asyncio.Future | None = None  # the stream's pending __anext__, kept across waits
-        self._left = asyncio.Event()
 
     async def next(self) -> dict:
         """The replica's next message; APIError for an error (504 past the deadline, 503 if the replica
-        died), ClientGone if the client left."""
+        died), ClientGone if the client left (closing the call cancels the stream, which wakes the wait)."""
         while True:
             if self.gone:
                 raise ClientGone
             self.check_deadline()
             if self._next is None:
                 self._next = asyncio.ensure_future(self.stream.__anext__())
-            left = asyncio.ensure_future(self._left.wait())
-            await asyncio.wait({self._next, left}, timeout=self._wait_s(), return_when=asyncio.FIRST_COMPLETED)
-            left.cancel()
-            if self._next.done():
+                self._next.add_done_callback(_retrieve)
+            await asyncio.wait({self._next}, timeout=self._wait_s())
+            if self._next.done() and not self.gone:
                 return self._take(self._next)
 
     def _take(self, done: asyncio.Future) -> dict:
@@ -70,11 +68,10 @@ class ReplicaCall(CallBase):
             raise APIError(**message["error"])
         return message
 
-    def _wake(self) -> None:
-        self._left.set()
-
     def _cancel(self) -> None:
         self.stream.cancel()
+        if self._next is not None:
+            self._next.cancel()
 
 
 class ReplicaRoutes(OpenAIRoutes):
@@ -129,6 +126,12 @@ class ReplicaRoutes(OpenAIRoutes):
             status, code = f"degraded: {len(serving)} of {self.replicas} replicas serve", 200 if serving else 503
             status = status if serving else f"starting: 0 of {self.replicas} replicas serve"
         return JSONResponse({"status": status, "replicas": serving}, status_code=code)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a stream read's error as seen: one read by a call that closed meanwhile is nobody's to raise."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _result(response):
