@@ -83,7 +83,8 @@ def over_http(args) -> dict:
 
 
 def server_steps(url: str) -> dict:
-    """shape -> (count, seconds) from a thunder-batch server's step histogram ({} from other servers)."""
+    """shape -> (count, seconds) from a thunder-batch server's step histogram, summed over its replicas ({} from
+    other servers)."""
     try:
         text = httpx.get(url + "/metrics", timeout=30).text
     except httpx.HTTPError:
@@ -93,7 +94,7 @@ def server_steps(url: str) -> dict:
         for part, index in (("_count{", 0), ("_sum{", 1)):
             if line.startswith("thunder_batch:step_duration_seconds" + part):
                 shape = line.split('shape="')[1].split('"')[0]
-                steps.setdefault(shape, [0.0, 0.0])[index] = float(line.rsplit(" ", 1)[1])
+                steps.setdefault(shape, [0.0, 0.0])[index] += float(line.rsplit(" ", 1)[1])
     return steps
 
 

@@ -88,3 +88,22 @@ def test_a_bad_request_ends_in_its_error_and_an_idle_replica_sleeps():
     assert bad[0]["error"]["status"] == 400 and bad[0]["error"]["code"] == "context_length_exceeded"
     assert good[-1]["completion_tokens"] == 2
     assert idle_steps == 0 and task is not None
+
+
+def test_an_idle_replica_reads_a_burst_in_one_first_step():
+    """Requests sent at once (each admitted a little after the other) share the first step, as a LitServe
+    worker's intake gathers them: without the gather the first would step alone."""
+    replica = EngineReplica(tiny_api())
+    fed = []
+    replica.api.engine.observers.add(lambda event: fed.append(len(event.plan.work)))
+
+    async def run():
+        async def late(delay: float, prompt):
+            await asyncio.sleep(delay)
+            return await collect(replica, payload(prompt, params=greedy(2)))
+
+        return await asyncio.gather(late(0, [1, 2, 3, 4, 5, 6]), late(0.003, [7, 8, 9, 10, 11, 12]))
+
+    answers = asyncio.run(run())
+    assert [a[-1]["completion_tokens"] for a in answers] == [2, 2]
+    assert fed[0] == 2, fed  # both slots fed in the first step

@@ -136,8 +136,7 @@ def run_replicas(
         app = build_app(engine_options, settings, replicas, api_key)
         serve.run(app, name=APP_NAME, route_prefix="/", logging_config={"log_level": level})
         logger.warning("serving %d replicas on http://%s:%d", replicas.replicas, host, port)
-        while not stop.wait(1.0):
-            pass
+        stop.wait()  # a signal's handler runs between waits of the main thread: SIGTERM or Ctrl+C end it
     except KeyboardInterrupt:
         pass
     finally:

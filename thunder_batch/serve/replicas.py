@@ -4,7 +4,7 @@ It is the LitServe worker's EngineAPI (prepare, admit, step, cancel, the same me
 state and cancel board of its own, driven from the replica's event loop instead of LitServe's queue:
 `generate(payload)` admits one request and yields its messages as (message, last) pairs; a step task
 runs `EngineAPI.step` back to back while any request is in flight and sleeps on an event otherwise,
-so an idle replica costs nothing. A reader that stops reading (its client hung up: Ray cancels the
+so an idle replica costs nothing; woken, it waits for a burst's other requests as a LitServe worker does. A reader that stops reading (its client hung up: Ray cancels the
 generator) posts a cancel, which the next step applies (its slot is freed).
 """
 
@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from thunder_batch.serve.cancels import CancelBoard
+from thunder_batch.serve.loop import GATHER_S
 from thunder_batch.serve.openai import APIError
 from thunder_batch.serve.shared_state import UNHEALTHY_AFTER_FAILED_STEPS, SharedState
 from thunder_batch.serve.worker import EngineAPI
@@ -53,12 +54,12 @@ class EngineReplica:
         order, wake = self._loop_objects()
         uid, reader, last, admitting = uuid.uuid4().hex, asyncio.Queue(), False, False
         self._readers[uid] = reader
+        self._start_stepping()  # asleep until the admission below wakes it
         try:
             prepared = await asyncio.to_thread(self.api.prepare, [(uid, payload)])
             async with order:  # "accepted" is read before any step's message for it
                 admitting = True
                 self._dispatch(await self._on_engine_thread(self.api.admit, prepared))
-            self._start_stepping()
             wake.set()
             while not last:
                 message, last = await reader.get()
@@ -79,6 +80,7 @@ class EngineReplica:
             if not self.api.has_active_requests():  # a cancel matters only for a request in the engine
                 wake.clear()
                 await wake.wait()
+                await _gather(wake)
                 continue
             async with order:
                 self._dispatch(await self._step())
@@ -119,6 +121,17 @@ class EngineReplica:
     def metrics_text(self) -> str:
         """This replica's Prometheus series (counters, histograms and its gauges)."""
         return self.api.metrics.render(self.api.state).decode()
+
+
+async def _gather(wake: asyncio.Event) -> None:
+    """An idle engine takes a burst together: each admission sets `wake`, and the first step waits until
+    none came for GATHER_S, so 8 chats sent at once are read in one wide step (as a LitServe worker's intake)."""
+    while True:
+        wake.clear()
+        try:
+            await asyncio.wait_for(wake.wait(), GATHER_S)
+        except asyncio.TimeoutError:
+            return
 
 
 def replica_error(e: BaseException) -> APIError:
