@@ -4,8 +4,9 @@ It is the LitServe worker's EngineAPI (prepare, admit, step, cancel, the same me
 state and cancel board of its own, driven from the replica's event loop instead of LitServe's queue:
 `generate(payload)` admits one request and yields its messages as (message, last) pairs; a step task
 runs `EngineAPI.step` back to back while any request is in flight and sleeps on an event otherwise,
-so an idle replica costs nothing; woken, it waits for a burst's other requests as a LitServe worker does. A reader that stops reading (its client hung up: Ray cancels the
-generator) posts a cancel, which the next step applies (its slot is freed).
+so an idle replica costs nothing; woken, it waits for a burst's other requests as a LitServe worker
+does. A reader that stops reading (its client hung up: Ray cancels the generator) posts a cancel, which
+the next step applies (its slot is freed).
 """
 
 from __future__ import annotations
