@@ -123,6 +123,8 @@ def test_health_stats_and_metrics_cover_every_replica(server):
     assert sorted(line.split('replica="')[1].split('"')[0] for line in slots) == sorted(ids), slots
     assert all(line.endswith(" 2.0") for line in slots), slots
     assert "thunder_batch:request_success_total" in text  # the ingress's own series
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(types) == len(set(types)), types  # each family declared once, or a scrape fails
     assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401  # the same auth
     bad = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": -1}, headers=HEADERS)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"

@@ -107,3 +107,24 @@ def test_an_idle_replica_reads_a_burst_in_one_first_step():
     answers = asyncio.run(run())
     assert [a[-1]["completion_tokens"] for a in answers] == [2, 2]
     assert fed[0] == 2, fed  # both slots fed in the first step
+
+
+def test_metrics_of_replicas_merge_with_the_ingress_s_own_each_family_declared_once():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from thunder_batch.serve.metrics import Metrics, merge_replicas
+
+    ingress, replicas = Metrics("m"), {"a": EngineReplica(tiny_api()), "b": EngineReplica(tiny_api())}
+    ingress.labels(ingress.request_success, finished_reason="stop").inc()
+    replicas["a"].api.metrics.labels(replicas["a"].api.metrics.generation_tokens).inc(5)
+    text = merge_replicas(ingress.render().decode(), {k: r.metrics_text() for k, r in replicas.items()}).decode()
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert samples["thunder_batch:request_success_total", (("finished_reason", "stop"), ("model_name", "m"))] == 1
+    assert samples["thunder_batch:generation_tokens_total", (("model_name", "tiny"), ("replica", "a"))] == 5
+    assert samples["thunder_batch:num_slots", (("model_name", "tiny"), ("replica", "b"))] == 2

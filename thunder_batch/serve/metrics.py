@@ -116,19 +116,22 @@ def _gauges(state, model: str) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-def merge_replicas(texts: dict[str, str]) -> bytes:
-    """Several replicas' Prometheus texts as one, each sample labelled with its replica (a family's
-    samples stay together, as the text format requires). texts: replica id -> its /metrics text."""
+def merge_replicas(own: str, texts: dict[str, str]) -> bytes:
+    """One Prometheus text of a process's own series (`own`, as they are) and several replicas' (each sample
+    labelled with its replica): every family once, its samples together, as the text format requires (a
+    family both declare, such as the request counters, would otherwise be declared twice and fail a
+    scrape). texts: replica id -> its /metrics text."""
     import prometheus_client as pc
     from prometheus_client.parser import text_string_to_metric_families
 
     families: dict[str, object] = {}
-    for replica, text in sorted(texts.items()):
+    for replica, text in [(None, own), *sorted(texts.items())]:
         for family in text_string_to_metric_families(text):
             merged = families.get(family.name)
             if merged is None:
                 merged = families[family.name] = pc.metrics_core.Metric(family.name, family.documentation, family.type)
-            merged.samples += [s._replace(labels={**s.labels, "replica": replica}) for s in family.samples]
+            labels = {} if replica is None else {"replica": replica}
+            merged.samples += [s._replace(labels={**s.labels, **labels}) for s in family.samples]
 
     class Merged:
         def collect(self):

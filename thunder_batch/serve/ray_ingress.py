@@ -113,7 +113,7 @@ class ReplicaRoutes(OpenAIRoutes):
         from thunder_batch.serve.metrics import CONTENT_TYPE, merge_replicas
 
         texts = {a["replica"]: a["text"] for a in await self.fan_out("metrics_text")}
-        return Response(self.metrics.render() + merge_replicas(texts), media_type=CONTENT_TYPE)
+        return Response(merge_replicas(self.metrics.render().decode(), texts), media_type=CONTENT_TYPE)
 
     async def health(self) -> Response:
         """ "ok" when every replica serves; 200 "degraded: k of N" while one is replaced; 503 otherwise."""
