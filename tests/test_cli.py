@@ -48,7 +48,16 @@ ENGINE_FLAGS = {
 }
 EXPECTED_FLAGS = {
     "generate": {**ENGINE_FLAGS, "compile": "thunder", "prompt": "null", "max_new_tokens": "64"},
-    "serve": {**ENGINE_FLAGS, "compile": "thunder", "host": "127.0.0.1", "port": "8000"},
+    "serve": {
+        **ENGINE_FLAGS,
+        "compile": "thunder",
+        "host": "127.0.0.1",
+        "port": "8000",
+        "replicas": "null",
+        "ray_address": "null",
+        "routing": "prefix",
+        "replica_threads": "null",
+    },
     "compile": {**ENGINE_FLAGS, "list": "False", "clear": "False"},
     "bench": {
         **MODEL_FLAGS,
@@ -110,3 +119,15 @@ def test_every_subcommand_lists_its_flags_and_defaults():
         assert ("compile" in listed) == (command in ("generate", "serve")), command
         if command == "bench":  # every option of the benchmark is a flag, with its doc
             assert {f.name for f in fields(BenchOptions)} <= documented(done.stdout)
+
+
+def test_serve_refuses_replica_counts_below_one_before_loading_anything():
+    for flag in ("--replicas=0", "--replica_threads=0"):
+        done = subprocess.run(
+            [sys.executable, "-m", "thunder_batch.cli", "serve", flag, "--checkpoint_dir", "/nonexistent"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        name = flag[2:].split("=")[0]
+        assert done.returncode != 0 and f"{name} must be >= 1, got 0" in done.stderr, done.stderr[-2000:]

@@ -30,6 +30,7 @@ def serve(
     replicas: int | None = None,
     ray_address: str | None = None,
     routing: Literal["prefix", "least_loaded"] = "prefix",
+    replica_threads: int | None = None,
     log_level: Literal["debug", "info", "warning", "error"] = "info",
     **options,
 ) -> None:
@@ -69,6 +70,8 @@ def serve(
         routing: With --replicas: "prefix" (a session's replica, else the longest cached prefix's while
             it is at most a few requests busier than the least loaded, else the least loaded) or
             "least_loaded".
+        replica_threads: With --replicas on CPU: torch threads (and Ray CPUs) per replica. Default: this
+            machine's cores // replicas; fewer leave cores to Ray's own processes.
         log_level: LitServe and uvicorn log level (Ray Serve's with --replicas).
     """
     from thunder_batch.checkpoints import default_checkpoint_dir, validate_checkpoint_dir
@@ -76,8 +79,9 @@ def serve(
     engine_options = EngineOptions(**options)
     engine_options.engine_config()  # a bad value fails here, not in every worker
     _check_limits(max_waiting=max_waiting, request_timeout=request_timeout, worker_timeout=worker_timeout)
-    if replicas is not None and replicas < 1:
-        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    for name, value in [("replicas", replicas), ("replica_threads", replica_threads)]:
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     checkpoint_dir = engine_options.checkpoint_dir
     # Convert the default model here, once, before any worker starts.
     checkpoint_dir = default_checkpoint_dir() if checkpoint_dir is None else validate_checkpoint_dir(checkpoint_dir)
@@ -93,7 +97,7 @@ def serve(
     limits.update(worker_timeout=worker_timeout or None)
     if replicas is not None:
         ray = dict(replicas=replicas, ray_address=ray_address, routing=routing, drain_timeout=drain_timeout)
-        ray.update(log_level=log_level)
+        ray.update(log_level=log_level, replica_threads=replica_threads)
         return _serve_replicas(engine_options, limits, dict(ray, accelerator=accelerator), host, port, api_key)
     metrics_dir = _metrics_dir()
     try:

@@ -40,9 +40,10 @@ class ReplicaSettings:
     worker_timeout: float | None = 30.0  # health check timeout (None: Ray's default)
     drain_timeout: float = 30.0
     log_level: str = "info"  # Ray Serve's logs (its access log is at info)
+    replica_threads: int | None = None  # None: this machine's cores // replicas
 
     def threads(self) -> int:
-        return max(1, (os.cpu_count() or 1) // self.replicas)
+        return self.replica_threads or max(1, (os.cpu_count() or 1) // self.replicas)
 
 
 class EngineDeployment:
