@@ -1,9 +1,9 @@
 """One request in flight, seen from an HTTP process: submitted to LitServe's queue (`Call`; a Ray Serve
-replica's stream in `ray_ingress.ReplicaCall`), read message by message, cancelled if abandoned. It
-counts towards the server's in-flight requests from submission to
-close: when its answer is handed over, when it fails, and as soon as its client's disconnect arrives
-(`watch`: the ASGI disconnect message itself, not a poll, so a client that retries at once is not
-counted twice). It knows which worker took it (a 503 if that worker dies) and enforces the request timeout."""
+replica's stream in `ray_ingress.ReplicaCall`), read message by message, cancelled if abandoned. It counts
+towards the server's in-flight requests from submission to close: when its answer is handed over, when it
+fails, and as soon as its client's disconnect arrives (`watch`: the ASGI disconnect message itself, not a
+poll, so a client that retries at once is not counted twice). It knows which worker took it (a 503 if that
+worker dies) and enforces the request timeout."""
 
 from __future__ import annotations
 
