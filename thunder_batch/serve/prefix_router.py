@@ -121,9 +121,8 @@ class PrefixRouter(RequestRouter):
         self._blocks: OrderedDict[bytes, ReplicaID] = OrderedDict()  # chain hash -> newest replica to read it
         self._block_counts: dict[ReplicaID, int] = {}  # replica -> its entries in _blocks (a tie-break)
         self._sessions: OrderedDict[str, ReplicaID] = OrderedDict()
-        self._loads: dict[ReplicaID, int] = {}
-        # replica -> internal_request_id -> routed, not completed calls. Keyed by both: calls a replica
-        # makes while serving one request share that request's internal_request_id.
+        # replica -> internal_request_id -> routed, not completed calls (their sum: its load). Keyed by
+        # both: calls made while serving one request share that request's internal_request_id.
         self._calls: dict[ReplicaID, dict[str, int]] = {}
         self._early: OrderedDict[tuple[ReplicaID, str], int] = OrderedDict()
         # id(pending request) -> (replica chosen, the request): chosen, not yet accepted. Counted as load
@@ -132,7 +131,8 @@ class PrefixRouter(RequestRouter):
 
     def load(self, replica_id: ReplicaID) -> int:
         """Requests this router chose or routed for the replica that have not completed."""
-        return self._loads.get(replica_id, 0) + sum(rid == replica_id for rid, _ in self._reserved.values())
+        routed = sum(self._calls.get(replica_id, {}).values())
+        return routed + sum(rid == replica_id for rid, _ in self._reserved.values())
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -233,7 +233,6 @@ class PrefixRouter(RequestRouter):
             return
         calls = self._calls.setdefault(replica_id, {})
         calls[request_id] = calls.get(request_id, 0) + 1
-        self._loads[replica_id] = self._loads.get(replica_id, 0) + 1
 
     def _index(self, hashes: list[bytes], replica_id: ReplicaID) -> None:
         """The newest replica to read a prefix holds it (its cache has it most recently)."""
@@ -284,14 +283,12 @@ class PrefixRouter(RequestRouter):
         calls[request_id] -= 1
         if not calls[request_id]:
             del calls[request_id]
-        self._loads[replica_id] -= 1
-        if not self._loads[replica_id]:
-            del self._loads[replica_id], self._calls[replica_id]
+        if not calls:
+            del self._calls[replica_id]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Forget the dead replica's load (its calls' completions, if they still come, are then ignored).
         Its index entries and pins stay until evicted: lookups skip replicas that are not candidates."""
         super().on_replica_actor_died(replica_id)
-        self._loads.pop(replica_id, None)
         self._calls.pop(replica_id, None)
         self._reserved = {key: chosen for key, chosen in self._reserved.items() if chosen[0] != replica_id}
