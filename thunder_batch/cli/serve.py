@@ -63,8 +63,8 @@ def serve(
             before it is killed and restarted; its requests get 503. 0: never. With --replicas: Ray's
             health check timeout, after which the replica is replaced.
         replicas: Serve N engine replicas as a Ray Serve application (needs the `ray` extra) instead of
-            LitServe workers: each replica gets cores // N torch threads (or one GPU with --accelerator
-            cuda), and a router sends each request to the replica holding its longest prompt prefix.
+            LitServe workers: each replica gets --replica_threads torch threads (or one GPU with
+            --accelerator cuda), and a router sends each request to the replica holding its longest prompt prefix.
         ray_address: With --replicas, the Ray cluster to run on ("auto": the one this node belongs to).
             Default: a local Ray instance, started and stopped with this command.
         routing: With --replicas: "prefix" (a session's replica, else the longest cached prefix's while
