@@ -12,7 +12,7 @@ import torch
 
 from thunder_batch import Engine, EngineConfig, SamplingParams
 from thunder_batch.compile.cache import CompileCacheWarning
-from thunder_batch.compile.project_executor import PACKED, ProjectKernelsMode
+from thunder_batch.compile.project_executor import PACKED, ProjectKernelsMode, own_layout
 from thunder_batch.step_plan import StepPlan
 
 from helpers import mixed_prompts, tiny_gpt
@@ -121,6 +121,8 @@ def test_a_warm_up_packs_the_weights_of_the_layers_it_binds_without_running(tmp_
     weights = [m.weight for m in engine.runner.program.modules() if isinstance(m, torch.nn.Linear)]
     assert len(weights) == 4 * 5 + 1  # qkv, proj, fc_1, fc_2, mlp proj per layer, and the lm head
     assert all(PACKED.holds(w) for w in weights)
+    # where the kernel reads a weight in its own layout (an AVX2 CPU), what it "packed" is the weight's memory
+    assert all((PACKED.get(w)[0].data_ptr() == w.data_ptr()) == own_layout(w) for w in weights)
     packs, pack = [], PACKED._pack
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PACKED, "_pack", lambda w: packs.append(w) or pack(w))

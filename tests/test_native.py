@@ -151,6 +151,50 @@ def test_bf16_linears_are_claimed_only_where_a_kernel_runs_them():
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features,in_features", [(1, 8), (7, 36), (37, 64), (100, 129)])
+def test_plain_linear_is_a_float64_matmul_within_float32_rounding(dtype, out_features, in_features):
+    """The own-layout kernel at every row count it splits differently (1; passes of up to 4 rows at 2-16; the
+    16-output blocks widened into L2 above 16), outputs in groups of 3 and a rest, inputs past a multiple of 8:
+    float32 sums of the exact products, so within float32 rounding of a float64 matmul; bfloat16 rounded once."""
+    assert build.unavailable() is None
+    torch.manual_seed(0)
+    w = torch.randn(out_features, in_features).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    for rows in (1, 2, 3, 5, 8, 16, 17, 40):
+        x = torch.randn(rows, in_features).to(dtype)
+        got = torch.ops.thunder_batch.plain_linear(x, w, bias, out_features)
+        exact = x.double() @ w.double().T + bias.double()
+        size = x.double().abs() @ w.double().abs().T + bias.double().abs()
+        assert got.dtype == dtype and got.shape == (rows, out_features)
+        if dtype == torch.float32:
+            assert ((got.double() - exact).abs() <= 1e-6 * size + 1e-30).all(), rows
+        else:  # one rounding to bfloat16 (2^-9 of the value) on a float32 sum
+            assert ((got.double() - exact).abs() <= 2.0**-8 * exact.abs() + 1e-6 * size).all(), rows
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_read_in_its_own_layout_is_never_copied(dtype):
+    """Where `own_layout` says so (an AVX2 CPU without AVX-512, all of them for float32), the executor's
+    "packed copy" is the weight's own memory, followed through in-place changes and new data alike."""
+    from thunder_batch.compile.project_executor import PackedWeights, own_layout
+
+    weights = PackedWeights()
+    w, x = torch.randn(48, 64).to(dtype), torch.randn(3, 64).to(dtype)
+    if dtype == torch.float32 and "avx512f" not in build.cpu_flags():
+        assert own_layout(w)
+    packed, kernel = weights.get(w)
+    assert (packed.data_ptr() == w.data_ptr()) == own_layout(w)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    w.data = torch.randn(48, 64).to(dtype)  # new data under the same tensor
+    weights.refresh([w])
+    packed, kernel = weights.get(w)
+    assert (packed.data_ptr() == w.data_ptr()) == own_layout(w)
+    torch.testing.assert_close(kernel(x, packed, None, 48).float(), (x @ w.T).float(), **tol)
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= build.cpu_flags(), reason="the kernels need AVX2 and FMA")
 def test_packed_copies_follow_their_weights():
     """A weight changed in place is packed again; a weight that dies takes its packed copy with it."""
     import gc

@@ -2,8 +2,11 @@
 Besides the linears below, a decode step's attention (`attention`) and the in-place KV cache writes
 (`inplace`).
 
-It claims `linear` on CPU and runs it from a copy of the weight packed once, in the layout the kernel
-reads as one stream. The speeds below are measured with benchmarks/linear_bandwidth.py in
+It claims `linear` on CPU. On an AVX2 CPU without AVX-512 it reads float32 and bfloat16 weights in their
+own layout [out, in] (`plain_linear`: as fast as the packed kernels at a decode step's rows, within a few
+percent at a prompt step's; RESULTS.md "One copy of the weights"), so a compiled model holds each weight
+once. Elsewhere it runs a linear from a copy of the weight packed once, in the layout the kernel reads as
+one stream. The speeds below are measured with benchmarks/linear_bandwidth.py in
 benchmarks/RESULTS.md: "AVX2: the native kernels on every x86-64 CPU", "Prompt steps on the native
 kernel" (AVX2), "bf16 linears on AMX tiles" parts 1 and 3 (AMX, and float32 on AVX-512F):
 - float32, at most `packed_rows(float32)` rows: the project's kernel (thunder_batch.native), faster than
@@ -21,8 +24,8 @@ kernel" (AVX2), "bf16 linears on AMX tiles" parts 1 and 3 (AMX, and float32 on A
   torch's bit for bit, faster at the rows of a decode step (RESULTS.md "The fused step").
 - bfloat16 on an AVX2-only CPU, any rows: the project's kernel widening the weights to float32 (torch's
   bf16 GEMM there is slower at every row count measured; float32 accumulation, one rounding).
-The packed copies live beside the weights (one more copy of each claimed weight) and are redone
-when a weight is changed in place. The eager engine never uses them: they are what compiling adds.
+Where they are made, the packed copies live beside the weights (one more copy of each claimed weight) and
+are redone when a weight is changed in place. The eager engine never uses them: they are what compiling adds.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def project_executor():
 class PackedWeights:
     """weight -> (its packed copy, the kernel that reads it), made on first use and redone when the
     weight changes in place (`_version`); an entry goes with its weight. A lookup is a dict read: it
-    runs for every linear of every step."""
+    runs for every linear of every step. Where `own_layout(w)`, the "copy" is the weight itself (a
+    detached view of its memory) and `plain_linear` reads it: nothing is copied."""
 
     def __init__(self) -> None:
         self._packed: dict[int, tuple] = {}  # id(w) -> (weakref to w, w._version, packed, kernel)
@@ -102,12 +106,16 @@ class PackedWeights:
     def refresh(self, weights) -> None:
         """Packs again, now, each of `weights` that has a packed copy (new values, or new data under it): into
         the copy's own memory where the kernel is the project's (no allocation, much faster than a new copy:
-        benchmarks/RESULTS.md, "Numbers moved from the code's comments")."""
+        benchmarks/RESULTS.md, "Numbers moved from the code's comments"); a weight read in its own layout
+        is only looked at again (new data under it is a new view)."""
         for w in weights:
             entry = self._packed.get(id(w))
             if entry is None or entry[0]() is not w:
                 continue
-            if _repack_into(w.detach(), entry[2], entry[3]):
+            if entry[3] is _plain_kernel():
+                view = entry[2] if entry[2].data_ptr() == w.data_ptr() else w.detach()
+                self._packed[id(w)] = (entry[0], w._version, view, entry[3])
+            elif _repack_into(w.detach(), entry[2], entry[3]):
                 self._packed[id(w)] = (entry[0], w._version, *entry[2:])
             else:
                 del self._packed[id(w)]
@@ -124,6 +132,8 @@ class PackedWeights:
     def _pack(w: torch.Tensor) -> tuple[torch.Tensor, Callable]:
         from thunder_batch.native import build
 
+        if own_layout(w):
+            return w, _plain_kernel()
         if w.dtype == torch.float32:
             return build.pack_linear_weight(w), torch.ops.thunder_batch.packed_linear.default
         if native_bf16(w.shape[1]):
@@ -132,6 +142,23 @@ class PackedWeights:
 
 
 PACKED = PackedWeights()  # packed copies of weights, shared by every program of the process
+
+
+def _plain_kernel() -> Callable:
+    return torch.ops.thunder_batch.plain_linear.default
+
+
+def own_layout(w: torch.Tensor) -> bool:
+    """Whether the project's executor reads this CPU weight in its own layout (`plain_linear`, no packed copy):
+    contiguous float32 or bfloat16 on a CPU whose fastest native kernel is AVX2 for that dtype (no AVX-512F;
+    for bfloat16, no AVX512-BF16, where the bf16 kernel widens to float32)."""
+    from thunder_batch.native.build import cpu_flags, unavailable
+
+    if not w.is_contiguous() or w.dim() != 2 or unavailable() is not None:
+        return False
+    if w.dtype == torch.float32:
+        return "avx512f" not in cpu_flags()
+    return w.dtype == torch.bfloat16 and native_bf16(w.shape[1]) and "avx512_bf16" not in cpu_flags()
 
 
 @torch.no_grad()
@@ -235,8 +262,9 @@ def linear_kernels() -> dict[str, str]:
     elif "avx512_bf16" in build.cpu_flags():
         bf16 = f"vdpbf16ps, {rows(torch.bfloat16)}"
     else:
-        bf16 = "widened to float32 on AVX2, any rows"
-    return {"float32": f"packed {wide}, {rows(torch.float32)}", "bfloat16": bf16}
+        bf16 = "own layout, widened to float32 on AVX2, any rows"
+    fp32 = "own layout, AVX2, any rows" if wide == "AVX2" else f"packed {wide}, {rows(torch.float32)}"
+    return {"float32": fp32, "bfloat16": bf16}
 
 
 def _onednn_runs_bf16() -> bool:

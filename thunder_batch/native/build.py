@@ -33,6 +33,7 @@ SOURCES = [
         "decode_stack.cpp",
         "work_sharing.cpp",
         "quantized_linear.cpp",
+        "plain_linear.cpp",
         "quantized_int8.cpp",
         "logit_controls.cpp",
     )

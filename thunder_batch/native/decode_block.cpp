@@ -158,6 +158,7 @@ at::Tensor& add_into(at::Tensor& y, const at::Tensor& x) {  // contiguous, alike
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                   const c10::optional<at::Tensor>& bias = c10::nullopt) {
+  if (packed.dim() == 2) return packed::plain_linear(x, packed, bias, out_features);  // the weight itself
   if (x.scalar_type() == at::kFloat) return packed::packed_linear(x, packed, bias, out_features);
   return packed::packed_linear_bf16(x, packed, bias, out_features);
 }
@@ -166,7 +167,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 
 namespace packed {
 
-// x [B, C] -> the block's output [B, C]. norm weights [C]; the linears' weights packed (qkv, proj, fc_1, fc_2,
+// x [B, C] -> the block's output [B, C]. norm weights [C]; the linears' weights packed, or as they are [out, in]
+// where the own-layout kernel reads them (qkv, proj, fc_1, fc_2,
 // mlp_proj; out_features: qkv's, proj's, fc_1's = fc_2's, mlp_proj's); qkv's bias, if any (Qwen2's); cos, sin
 // [B, 1, n] float32; caches
 // [B, G, S', D] written at rows [B * G]; masks [K, B, 1, 1, L], `kind` the one this layer reads.

@@ -15,6 +15,9 @@ void packed_block_rows(const float* x, int64_t M, int64_t I, const float* block,
 // bfloat16 x [..., in] @ w.T (+ bias) from pack_linear_weight_bf16(w) (packed_linear_bf16.cpp).
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t out_features);
+// float32 or bfloat16 x [..., in] @ w.T (+ bias) read from w's own layout [out, in] (plain_linear.cpp).
+at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                        int64_t out_features);
 // A decode-only step's attention with its K and V writes (decode_attention.cpp).
 at::Tensor decode_rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor cache_k,
                                  at::Tensor cache_v, const at::Tensor& rows, const at::Tensor& mask, double scale);
