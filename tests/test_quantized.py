@@ -185,6 +185,9 @@ def test_random_weights_build_a_named_config_with_the_default_tokenizer():
     again, *_ = ModelOptions(random_weights="SmolLM2-135M-Instruct").load_model()
     assert config.name == "SmolLM2-135M-Instruct" and tokenizer.vocab_size == 49152
     assert torch.equal(model.transformer.h[0].mlp.proj.weight, again.transformer.h[0].mlp.proj.weight)
+    half, *_ = ModelOptions(random_weights="SmolLM2-135M-Instruct", precision="bfloat16").load_model()
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
     with pytest.raises(ValueError, match="TinyLlama-1.1B-Chat-v1.0 has 32000 tokens, fewer than"):
         ModelOptions(random_weights="TinyLlama-1.1B-Chat-v1.0").load_model()
 

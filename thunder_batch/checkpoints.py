@@ -100,8 +100,13 @@ def random_weights_model(name: str, dtype: torch.dtype = torch.float32, device="
         vocab = config.padded_vocab_size
         raise ValueError(f"{name} has {vocab} tokens, fewer than the default tokenizer's {tokenizer.vocab_size}")
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = litgpt.GPT(config)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in its dtype: a bf16 model never holds a float32 copy (twice its size)
+    try:
+        with torch.device(device):
+            model = litgpt.GPT(config)
+    finally:
+        torch.set_default_dtype(default)
     return model.to(dtype=dtype).eval(), tokenizer, config, checkpoint_dir
 
 
