@@ -65,7 +65,12 @@ def _never_convert(*args, **kwargs):
 
 def test_unsupported_architecture_is_refused(tmp_path):
     path = _write_tiny_gguf(tmp_path / "tiny.gguf", "gpt2")
-    with pytest.raises(ValueError, match=r"architecture 'gpt2'.*only 'llama'"):
+    with pytest.raises(ValueError, match=r"architecture 'gpt2'.*only llama, qwen2 can be read"):
+        convert_gguf_to_litgpt(path, tmp_path / DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME)
+    assert not (tmp_path / DEFAULT_MODEL_NAME).exists()
+    # a qwen2 file loads directly (gguf_load) but is not converted to a checkpoint dir
+    path = _write_tiny_gguf(tmp_path / "qwen.gguf", "qwen2")
+    with pytest.raises(ValueError, match=r"only llama files convert to a checkpoint dir; load it as a .gguf"):
         convert_gguf_to_litgpt(path, tmp_path / DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME)
     assert not (tmp_path / DEFAULT_MODEL_NAME).exists()
 

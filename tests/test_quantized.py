@@ -234,3 +234,40 @@ def test_f16_and_bf16_linears_stay_as_they_are(tmp_path, name):
     assert_same_state(model, loaded)
     ids = written_tokens(model, loaded, tokenizer, ("eager", "thunder"))
     assert ids["thunder"] == ids["eager"] == ids["source"] and len(ids["source"][0]) == 12
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_qwen2_file_loads_with_its_qkv_bias(tmp_path, mixed):
+    """llama.cpp's qwen2 layout (a bias on q, k and v; rows in the Hugging Face order, not permuted) written by
+    gguf_write and read by gguf_load: the same tensors, biases included (part by part where q, k and v differ in
+    format), and the compiled engine's tokens equal the eager engine's, which are those of the model written."""
+    model = tiny_llama(name="tiny-qwen2-test", attn_bias=True)
+    for block in model.transformer.h:
+        with torch.no_grad():
+            block.attn.qkv.bias.normal_(0, 0.5)
+        if mixed:
+            rows, biases = (torch.split(t.detach(), [64, 32, 32]) for t in (block.attn.qkv.weight, block.attn.qkv.bias))
+            kinds = [quantized.FORMATS[name] for name in ("q4_0", "q4_0", "q8_0")]
+            parts = [
+                quantized.QuantizedLinear(64, len(w), f, quantized.quantize_weight(w, f), b)
+                for w, f, b in zip(rows, kinds, biases)
+            ]
+            block.attn.qkv = quantized.QuantizedParts(parts)
+    quantized.quantize_model(model, "q8_0")
+    path = gguf_write.write_gguf(model, tmp_path / "tiny-qwen2.gguf", "q8_0")
+    assert gguf_load.read_field(gguf.GGUFReader(path), "general.architecture") == "qwen2"
+    loaded, tokenizer, config = gguf_load.load_gguf(path)
+    assert config.attn_bias and not config.bias
+    assert any(name.endswith("qkv.bias") or ".qkv.parts.2.bias" in name for name in loaded.state_dict())
+    assert_same_state(model, loaded)
+    ids = written_tokens(model, loaded, tokenizer, ("eager", "thunder"))
+    assert ids["thunder"] == ids["eager"] == ids["source"] and len(ids["source"][0]) == 12
+
+
+def test_the_qwen2_split_is_its_tokenizers():
+    """A qwen2 file's tokenizer splits text as Qwen2's own (transformers' copy of its tokenizer.json regex)."""
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    from thunder_batch import gguf_convert
+
+    assert gguf_convert.QWEN2_SPLIT == PRETOKENIZE_REGEX

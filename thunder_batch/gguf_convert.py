@@ -1,4 +1,5 @@
-"""Convert a llama-architecture GGUF file (llama.cpp) into a litgpt checkpoint dir.
+"""Convert a llama-architecture GGUF file (llama.cpp) into a litgpt checkpoint dir; what the loader shares
+(architectures, hyperparameters, the tokenizer rebuilt from the metadata).
 
 Weights are dequantized to fp32 (lossless with respect to the GGUF), Q/K rows are put back
 in the Hugging Face order litgpt's RoPE expects, and the tokenizer is rebuilt from the
@@ -24,10 +25,17 @@ import litgpt
 import numpy as np
 import torch
 from litgpt.utils import save_config
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-SUPPORTED_ARCH = "llama"
+SUPPORTED_ARCH = "llama"  # what the converter writes a checkpoint dir from
+# What gguf_load reads: llama's, and Qwen2's (a bias on q, k and v; rows in the Hugging Face order, unpermuted).
+LOADABLE_ARCHS = ("llama", "qwen2")
+# Qwen2's pre-tokenizer split, as its tokenizer.json has it (transformers' tokenization_qwen2.PRETOKENIZE_REGEX).
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
 # Global tensors: llama.cpp name -> litgpt state-dict key.
 _GLOBAL_MAP = {
@@ -64,7 +72,8 @@ def convert_gguf_to_litgpt(gguf_path: Path | str, out_dir: Path | str, model_nam
         # litgpt keys BOS handling on the dir name (and the engine finds stop tokens through it).
         warnings.warn(f"checkpoint dir {out_dir.name!r} is not named after the model {model_name!r}", stacklevel=3)
     reader = gguf.GGUFReader(gguf_path)
-    check_architecture(reader, gguf_path)
+    if check_architecture(reader, gguf_path) != SUPPORTED_ARCH:
+        raise ValueError(f"{str(gguf_path)!r}: only llama files convert to a checkpoint dir; load it as a .gguf")
     config = litgpt.Config.from_name(model_name)
     check_config_matches(reader, config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -90,20 +99,21 @@ def read_field(reader: gguf.GGUFReader, key: str, default=None):
     return items if field.types[0] == gguf.GGUFValueType.ARRAY else items[0]
 
 
-def check_architecture(reader: gguf.GGUFReader, path: Path | str = "") -> None:
+def check_architecture(reader: gguf.GGUFReader, path: Path | str = "") -> str:
+    """The file's architecture, one of LOADABLE_ARCHS; ValueError naming them otherwise."""
     arch = read_field(reader, "general.architecture")
-    if arch != SUPPORTED_ARCH:
+    if arch not in LOADABLE_ARCHS:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r} in {str(path)!r}: only {SUPPORTED_ARCH!r} can be converted"
+            f"unsupported GGUF architecture {arch!r} in {str(path)!r}: only {', '.join(LOADABLE_ARCHS)} can be read"
         )
+    return arch
 
 
 def check_config_matches(reader: gguf.GGUFReader, config: litgpt.Config) -> None:
     """Raise ValueError listing every hyperparameter where the litgpt config and the GGUF disagree."""
     pairs = _hyperparameters(reader, config)
-    bad = [
-        f"{field}={cv!r} but GGUF {SUPPORTED_ARCH}.{key}={gv!r}" for key, gv, field, cv in pairs if not _same(gv, cv)
-    ]
+    arch = read_field(reader, "general.architecture")
+    bad = [f"{field}={cv!r} but GGUF {arch}.{key}={gv!r}" for key, gv, field, cv in pairs if not _same(gv, cv)]
     if bad:
         raise ValueError(f"litgpt config {config.name!r} does not match the GGUF: " + "; ".join(bad))
 
@@ -111,8 +121,10 @@ def check_config_matches(reader: gguf.GGUFReader, config: litgpt.Config) -> None
 def _hyperparameters(reader: gguf.GGUFReader, config: litgpt.Config) -> list[tuple]:
     """(GGUF key, GGUF value, config field, config value) for every hyperparameter both carry."""
 
+    arch = read_field(reader, "general.architecture")
+
     def stored(key: str, default=None):
-        return read_field(reader, f"{SUPPORTED_ARCH}.{key}", default)
+        return read_field(reader, f"{arch}.{key}", default)
 
     n_head = stored("attention.head_count")
     n_vocab = stored("vocab_size") or len(read_field(reader, "tokenizer.ggml.tokens", []))
@@ -128,8 +140,10 @@ def _hyperparameters(reader: gguf.GGUFReader, config: litgpt.Config) -> list[tup
         ("attention.layer_norm_rms_epsilon", stored("attention.layer_norm_rms_epsilon"), "norm_eps", config.norm_eps),
         ("rope.dimension_count", stored("rope.dimension_count", config.head_size), "rope_n_elem", config.rope_n_elem),
         ("context_length", stored("context_length"), "block_size", config.block_size),
-        ("vocab_size", n_vocab, "vocab_size", config.vocab_size),
+        # llama.cpp's converter pads the token list to the model's embedding rows (Qwen2's 151936 for 151643 tokens)
+        ("vocab_size", n_vocab, "vocab_size", n_vocab if n_vocab == config.padded_vocab_size else config.vocab_size),
         ("rope.scaling.type", stored("rope.scaling.type", "none"), "rope_adjustments", rope_adjustments),
+        ("(q, k, v bias)", arch == "qwen2", "attn_bias", config.attn_bias or config.bias),
     ]
 
 
@@ -214,10 +228,10 @@ def check_state_dict(state: dict[str, torch.Tensor], config: litgpt.Config) -> N
 def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     """A Hugging Face `tokenizers` byte-level BPE rebuilt from tokenizer.ggml.* metadata."""
     kind, pre = read_field(reader, "tokenizer.ggml.model"), read_field(reader, "tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in _PRE_DIGITS | _PRE_PLAIN:
+    if kind != "gpt2" or pre not in _PRE_DIGITS | _PRE_PLAIN | {"qwen2"}:
         raise ValueError(
             f"unsupported GGUF tokenizer model={kind!r} pre={pre!r}: only byte-level BPE "
-            f"(model 'gpt2', pre one of {sorted(_PRE_DIGITS | _PRE_PLAIN)}) can be rebuilt"
+            f"(model 'gpt2', pre one of {sorted(_PRE_DIGITS | _PRE_PLAIN | {'qwen2'})}) can be rebuilt"
         )
     tokens = read_field(reader, "tokenizer.ggml.tokens")
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -225,9 +239,11 @@ def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
         raise ValueError("GGUF vocabulary has duplicate tokens; ids would be lost")
     merges = [tuple(m.split(" ")) for m in read_field(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    digits = [pre_tokenizers.Digits(individual_digits=True)] if pre in _PRE_DIGITS else []
-    tok.pre_tokenizer = pre_tokenizers.Sequence([*digits, byte_level])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "qwen2")
+    splits = [pre_tokenizers.Digits(individual_digits=True)] if pre in _PRE_DIGITS else []
+    if pre == "qwen2":  # its own split, then bytes to characters (as its tokenizer.json)
+        splits = [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")]
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     types = read_field(reader, "tokenizer.ggml.token_type", [])

@@ -1,11 +1,12 @@
-"""Load a llama-architecture GGUF file (llama.cpp's) straight into a litgpt GPT, its linears kept quantized.
+"""Load a llama- or qwen2-architecture GGUF file (llama.cpp's) straight into a litgpt GPT, its linears kept quantized.
 
 Each block linear and the head stored in a format with a native kernel (quantized.FORMATS: the quantized blocks,
 and F16/BF16 as they are) becomes a QuantizedLinear holding the file's bytes (Q/K rows put back in litgpt's RoPE
 order, a row permutation that leaves blocks whole; q, k and v fused into litgpt's qkv when they share a format,
-else a QuantizedParts of the three; a head tied to the embedding takes the embedding's blocks); every other
-tensor (norms, the embedding, formats without a kernel) is dequantized to float32 as `gguf_convert` does. The
-tokenizer and chat template come from the file's metadata. `gguf` and `tokenizers` are imported only here.
+else a QuantizedParts of the three; Qwen2's q, k and v biases fused as they are, its rows not permuted; a head
+tied to the embedding takes the embedding's blocks); every other tensor (norms, the embedding, formats without a
+kernel) is dequantized to float32 as `gguf_convert` does. The tokenizer and chat template come from the file's
+metadata. `gguf` and `tokenizers` are imported only here.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def load_gguf(path: Path | str, dtype: torch.dtype = torch.float32, device="cpu"
 
     path = Path(path)
     reader = gguf.GGUFReader(path, mode="c")  # copy-on-write: kept blocks are the file's pages, writable
-    gguf_convert.check_architecture(reader, path)
+    arch = gguf_convert.check_architecture(reader, path)
     config = config_for(reader, path, model_name)
-    state, kinds = quantized_state(reader, config, keep=dtype == torch.float32)
+    state, kinds = quantized_state(reader, config, keep=dtype == torch.float32, arch=arch)
     model = _build(config, kinds, state, device)
     model = model.to(dtype=dtype).eval()
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,8 +67,10 @@ def config_for(reader, path: Path, model_name: str | None = None) -> litgpt.Conf
 
 
 def _config_from_metadata(reader, name: str) -> litgpt.Config:
+    arch = read_field(reader, "general.architecture")
+
     def stored(key: str, default=None):
-        return read_field(reader, f"{gguf_convert.SUPPORTED_ARCH}.{key}", default)
+        return read_field(reader, f"{arch}.{key}", default)
 
     n_head, n_embd = stored("attention.head_count"), stored("embedding_length")
     head_size = stored("attention.key_length", n_embd // n_head)
@@ -87,6 +90,7 @@ def _config_from_metadata(reader, name: str) -> litgpt.Config:
         rotary_percentage=stored("rope.dimension_count", head_size) / head_size,
         norm_eps=stored("attention.layer_norm_rms_epsilon"),
         bias=False,
+        attn_bias=arch == "qwen2",
         parallel_residual=False,
         norm_class_name="RMSNorm",
         mlp_class_name="LLaMAMLP",
@@ -95,16 +99,20 @@ def _config_from_metadata(reader, name: str) -> litgpt.Config:
     return config
 
 
-def quantized_state(reader, config: litgpt.Config, keep: bool = True) -> tuple[dict, dict[str, int]]:
+def quantized_state(reader, config: litgpt.Config, keep: bool = True, arch: str = "llama") -> tuple[dict, dict]:
     """(litgpt state dict, {linear's module path: ggml type}): a kept linear's entry is its bytes, uint8 [out,
     row bytes]; every other tensor float32."""
     state: dict[str, torch.Tensor] = {}
     kinds: dict[str, int] = {}
     qkv: dict[int, dict[str, tuple]] = defaultdict(dict)
+    qkv_bias: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
     heads: dict[str, tuple] = {}
     for t in reader.tensors:
         block = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
-        if t.name == "output.weight" or t.name == "token_embd.weight":  # the head, or tied to the embedding
+        bias = re.fullmatch(r"blk\.(\d+)\.(attn_[qkv])\.bias", t.name)
+        if bias:
+            qkv_bias[int(bias[1])][bias[2]] = gguf_convert._dequantize(t)
+        elif t.name == "output.weight" or t.name == "token_embd.weight":  # the head, or tied to the embedding
             heads[t.name] = weights, kind = _tensor(t, keep)
             if t.name == "token_embd.weight":  # dequantized once: the head's float32 copy, if it is one, is a clone
                 state["transformer.wte.weight"] = weights.clone() if kind is None else gguf_convert._dequantize(t)
@@ -120,7 +128,8 @@ def quantized_state(reader, config: litgpt.Config, keep: bool = True) -> tuple[d
         else:
             raise ValueError(f"GGUF tensor {t.name!r} has no litgpt counterpart in this loader")
     for i, parts in qkv.items():
-        _fuse_qkv(i, parts, config, state, kinds)
+        rows = (parts, qkv_bias.get(i, {}))
+        _fuse_qkv(i, *(_rope_order(r, config) if arch == "llama" else r for r in rows), config, state, kinds)
     # llama.cpp omits output.weight when the head is the embedding; the head keeps that tensor's format.
     state["lm_head.weight"], kind = heads.get("output.weight") or heads["token_embd.weight"]
     if kind is not None:
@@ -138,13 +147,27 @@ def _tensor(t, keep: bool) -> tuple[torch.Tensor, int | None]:
     return gguf_convert._dequantize(t), None
 
 
-def _fuse_qkv(i: int, parts: dict[str, tuple], config, state: dict, kinds: dict) -> None:
-    if len(parts) != 3:
-        raise ValueError(f"block {i} lacks one of attn_q/attn_k/attn_v: found {sorted(parts)}")
-    q = unpermute_rope_rows(parts["attn_q"][0], config.n_head)  # [H*D, C or row bytes]
-    k = unpermute_rope_rows(parts["attn_k"][0], config.n_query_groups)
-    rows = (q, k, parts["attn_v"][0])  # litgpt's cat(q, k, v)
-    formats = tuple(kind for _, kind in parts.values())
+def _rope_order(parts: dict, config) -> dict:
+    """llama files' q and k rows (weights as (tensor, kind), or biases) put back in litgpt's RoPE order."""
+    heads = {"attn_q": config.n_head, "attn_k": config.n_query_groups}
+
+    def back(name, part):
+        if name not in heads:
+            return part
+        if isinstance(part, tuple):
+            return unpermute_rope_rows(part[0], heads[name]), part[1]
+        return unpermute_rope_rows(part, heads[name])
+
+    return {name: back(name, part) for name, part in parts.items()}
+
+
+def _fuse_qkv(i: int, parts: dict[str, tuple], biases: dict, config, state: dict, kinds: dict) -> None:
+    """Block i's q, k, v ((tensor, kind) each, in litgpt's row order) and their biases, if any, as litgpt's qkv."""
+    if len(parts) != 3 or len(biases) not in (0, 3):
+        raise ValueError(f"block {i} lacks one of attn_q/attn_k/attn_v: found {sorted(parts)}, biases {sorted(biases)}")
+    names = ("attn_q", "attn_k", "attn_v")
+    rows = [parts[n][0] for n in names]  # litgpt's cat(q, k, v): [H*D + 2*G*D, C or row bytes]
+    formats = tuple(parts[n][1] for n in names)
     key = f"transformer.h.{i}.attn.qkv"
     if len(set(formats)) == 1:
         state[f"{key}.weight"] = torch.cat(rows)
@@ -153,9 +176,13 @@ def _fuse_qkv(i: int, parts: dict[str, tuple], config, state: dict, kinds: dict)
     elif None not in formats:  # formats differ (a Q4_K_M file's Q6_K attn_v): each part kept in its own
         kinds[key] = formats
         state |= {f"{key}.parts.{j}.weight": part for j, part in enumerate(rows)}
+        state |= {f"{key}.parts.{j}.bias": biases[n] for j, n in enumerate(names) if biases}
+        return
     else:  # a part without a kernel: all float32
         rows = [w if f is None else quantized.dequantize(w, f, config.n_embd) for w, f in zip(rows, formats)]
         state[f"{key}.weight"] = torch.cat(rows)
+    if biases:
+        state[f"{key}.bias"] = torch.cat([biases[n] for n in names])
 
 
 def _build(config: litgpt.Config, kinds: dict[str, int], state: dict, device) -> litgpt.GPT:
@@ -178,10 +205,11 @@ def _quantized_module(linear, path: str, kind: int | tuple[int, ...], state: dic
     empty: `state`'s are assigned to them."""
     if isinstance(kind, tuple):
         weights = [state[f"{path}.parts.{j}.weight"] for j in range(len(kind))]
+        biases = [None if linear.bias is None else torch.empty(w.shape[0]) for w in weights]
         return quantized.QuantizedParts(
             [
-                quantized.QuantizedLinear(linear.in_features, w.shape[0], f, torch.empty(w.shape, dtype=torch.uint8))
-                for w, f in zip(weights, kind)
+                quantized.QuantizedLinear(linear.in_features, w.shape[0], f, torch.empty(w.shape, dtype=torch.uint8), b)
+                for w, f, b in zip(weights, kind, biases)
             ]
         )
     weight = torch.empty(state[f"{path}.weight"].shape, dtype=torch.uint8)

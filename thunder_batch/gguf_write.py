@@ -1,4 +1,5 @@
-"""A litgpt llama GPT written as a GGUF file llama.cpp reads: the same weights for the engine and llama.cpp.
+"""A litgpt llama GPT written as a GGUF file llama.cpp reads: the same weights for the engine and llama.cpp. A
+config with a bias on q, k and v (Qwen2's) is written as llama.cpp's qwen2 architecture (biases, rows unpermuted).
 
 The block linears and the head go in one of the formats the `gguf` package makes (quantized.QUANTIZABLE) or f32,
 already-quantized linears as their own blocks; norms and the embedding in f32. Q/K rows are put in llama.cpp's
@@ -52,10 +53,11 @@ def write_gguf(gpt, path: Path | str, file_format: str, tokenizer_from: Path | s
     vocab = len(gguf_convert.read_field(source, "tokenizer.ggml.tokens"))
     if vocab != config.padded_vocab_size:
         raise ValueError(f"{config.name} has {config.padded_vocab_size} tokens; the tokenizer's GGUF has {vocab}")
-    writer = gguf.GGUFWriter(path, gguf_convert.SUPPORTED_ARCH)
+    arch = "qwen2" if config.attn_bias else gguf_convert.SUPPORTED_ARCH
+    writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, config, FILE_TYPES[file_format])
     _copy_tokenizer(writer, source)
-    for name, data, kind in _tensors(gpt, file_format):
+    for name, data, kind in _tensors(gpt, file_format, permute=arch == "llama"):
         writer.add_tensor(name, data, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -86,8 +88,9 @@ def _copy_tokenizer(writer, source) -> None:
             getattr(writer, method)(value)
 
 
-def _tensors(gpt, file_format: str):
-    """(GGUF name, data, ggml type or None for float32) for every tensor, in llama.cpp's names."""
+def _tensors(gpt, file_format: str, permute: bool = True):
+    """(GGUF name, data, ggml type or None for float32) for every tensor, in llama.cpp's names; q and k rows in
+    llama.cpp's RoPE order where `permute` (llama files)."""
     yield "token_embd.weight", _f32(gpt.transformer.wte.weight), None
     yield "output_norm.weight", _f32(gpt.transformer.ln_f.weight), None
     yield ("output.weight", *_linear(gpt.lm_head, file_format))
@@ -106,8 +109,11 @@ def _tensors(gpt, file_format: str):
         for name, rows, heads, owner in zip(
             ("attn_q", "attn_k"), (q, k), (config.n_head, config.n_query_groups), owners
         ):
-            yield (f"blk.{i}.{name}.weight", *_rows(permute_rope_rows(rows, heads), owner, file_format))
+            rows = permute_rope_rows(rows, heads) if permute else rows
+            yield (f"blk.{i}.{name}.weight", *_rows(rows, owner, file_format))
         yield (f"blk.{i}.attn_v.weight", *_rows(v, owners[2], file_format))
+        for name, bias in zip(("attn_q", "attn_k", "attn_v"), _qkv_biases(qkv, config)):
+            yield f"blk.{i}.{name}.bias", _f32(bias), None
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
@@ -120,6 +126,16 @@ def _qkv_rows(qkv, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(part.weight.detach() for part in qkv.parts)
     q_rows, kv_rows = config.n_head * config.head_size, config.n_query_groups * config.head_size
     return torch.split(qkv.weight.detach(), [q_rows, kv_rows, kv_rows])
+
+
+def _qkv_biases(qkv, config) -> tuple:
+    """The q, k and v biases of litgpt's fused qkv (a QuantizedParts': its parts'), or none."""
+    if isinstance(qkv, quantized.QuantizedParts):
+        return tuple(part.bias for part in qkv.parts) if qkv.parts[0].bias is not None else ()
+    if qkv.bias is None:
+        return ()
+    q_rows, kv_rows = config.n_head * config.head_size, config.n_query_groups * config.head_size
+    return torch.split(qkv.bias.detach(), [q_rows, kv_rows, kv_rows])
 
 
 def _linear(module, file_format: str):

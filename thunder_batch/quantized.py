@@ -139,12 +139,13 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedParts(nn.Module):
     """A linear whose output rows come in parts of different formats, each a QuantizedLinear (a Q4_K_M file's qkv:
-    q and k in Q4_K, v in Q6_K): the parts' outputs side by side, [..., sum of out_features]."""
+    q and k in Q4_K, v in Q6_K; Qwen2's with its bias part by part): the parts' outputs side by side,
+    [..., sum of out_features]."""
 
     def __init__(self, parts: list[QuantizedLinear]):
         super().__init__()
-        if len({p.in_features for p in parts}) != 1 or any(p.bias is not None for p in parts):
-            raise ValueError("the parts of a linear share in_features and have no bias")
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("the parts of a linear share in_features")
         self.parts = nn.ModuleList(parts)
         self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
 
