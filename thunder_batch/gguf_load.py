@@ -128,8 +128,10 @@ def quantized_state(reader, config: litgpt.Config, keep: bool = True, arch: str 
         else:
             raise ValueError(f"GGUF tensor {t.name!r} has no litgpt counterpart in this loader")
     for i, parts in qkv.items():
-        rows = (parts, qkv_bias.get(i, {}))
-        _fuse_qkv(i, *(_rope_order(r, config) if arch == "llama" else r for r in rows), config, state, kinds)
+        biases = qkv_bias.get(i, {})
+        if arch == "llama":  # llama.cpp's converter permuted q's and k's rows for its RoPE; qwen2's it did not
+            parts, biases = _rope_order(parts, config), _rope_order(biases, config)
+        _fuse_qkv(i, parts, biases, config, state, kinds)
     # llama.cpp omits output.weight when the head is the embedding; the head keeps that tensor's format.
     state["lm_head.weight"], kind = heads.get("output.weight") or heads["token_embd.weight"]
     if kind is not None:
