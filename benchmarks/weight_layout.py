@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    print(open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": "), flush=True)
+    print(open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].split(":", 1)[1].strip(), flush=True)
     if args.what == "kernels":
         kernels(getattr(torch, args.dtype), [int(r) for r in args.rows.split(",")])
     else:

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "work_sharing.h"
 
@@ -39,6 +40,14 @@ inline int64_t l2_group(int64_t I, int64_t bytes, int64_t group_bytes = 128 << 1
 // blocks); a linear's threads also take their work one such group at a time (work_sharing.h).
 inline int64_t group_512(int64_t I, int64_t bytes) { return l2_group(I, bytes, 256 << 10); }
 inline int64_t amx_group(int64_t I) { return std::max<int64_t>(2, group_512(I, sizeof(bf16))); }
+
+// A float buffer of at least `floats` for this thread, kept across calls (the widened blocks of quantized_linear.cpp
+// and plain_linear.cpp): a fresh one per block was an mmap and its page faults each time.
+inline float* thread_buffer(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (int64_t(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
 
 // M rows in passes of at most `most` rows, as even as they go (8 rows: 4 + 4, not 6 + 2): pass(m0, rows).
 template <class Pass>

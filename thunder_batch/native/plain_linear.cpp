@@ -152,10 +152,10 @@ void linear_rows(const float* x, int64_t M, int64_t I, const typename F::T* w, f
     return;
   }
   share_blocks(blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> block(I * kBlock);
+    float* block = thread_buffer(I * kBlock);
     for (int64_t b = b0; b < b1; ++b) {
-      widen_block<F>(w, I, b * kBlock, O, block.data());
-      packed_block_rows(x, M, I, block.data(), b, y, O);
+      widen_block<F>(w, I, b * kBlock, O, block);
+      packed_block_rows(x, M, I, block, b, y, O);
     }
   });
 }

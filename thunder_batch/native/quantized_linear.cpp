@@ -122,10 +122,10 @@ void linear_rows(const float* x, int64_t M, int64_t I, const uint8_t* w, float* 
     return;
   }
   packed::share_blocks(blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> block(I * packed::kBlock);
+    float* block = packed::thread_buffer(I * packed::kBlock);
     for (int64_t b = b0; b < b1; ++b) {
-      widen_block<F>(w, I, b * packed::kBlock, O, block.data());
-      packed::packed_block_rows(x, M, I, block.data(), b, y, O);
+      widen_block<F>(w, I, b * packed::kBlock, O, block);
+      packed::packed_block_rows(x, M, I, block, b, y, O);
     }
   });
 }
