@@ -17,9 +17,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import torch
+from linear_bandwidth import best  # benchmarks/linear_bandwidth.py: the fastest of `reps` runs after a warm one
 
 MODEL_RUN = """
 import json, os, random, resource, sys, time
@@ -52,16 +52,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def best(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def kernels(dtype: torch.dtype, rows_list: list[int]) -> None:
     from thunder_batch.native import build
 
@@ -78,8 +68,8 @@ def kernels(dtype: torch.dtype, rows_list: list[int]) -> None:
     plain = torch.ops.thunder_batch.plain_linear
     for rows in rows_list:
         xs = {i: torch.randn(rows, i).to(dtype) for i in (2048, 8192)}
-        packed_s = best(lambda xs=xs: [packed_op(xs[w.shape[1]], p, None, w.shape[0]) for w, p in zip(ws, packed)])
-        own_s = best(lambda xs=xs: [plain(xs[w.shape[1]], w, None, w.shape[0]) for w in ws])
+        packed_s = best(lambda xs=xs: [packed_op(xs[w.shape[1]], p, None, w.shape[0]) for w, p in zip(ws, packed)], 5)
+        own_s = best(lambda xs=xs: [plain(xs[w.shape[1]], w, None, w.shape[0]) for w in ws], 5)
         cells = [f"{1e3 * s:.1f} ({nbytes / s / 1e9:.1f})" for s in (packed_s, own_s)]
         print(f"| {rows} | {cells[0]} | {cells[1]} | {own_s / packed_s:.2f} |", flush=True)
 

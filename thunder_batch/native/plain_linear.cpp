@@ -12,11 +12,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cstring>
 #include <vector>
 
 #include "ops.h"
 #include "packed_tiles.h"
+#include "vector_avx2.h"
 
 namespace {
 
@@ -24,44 +24,18 @@ using namespace packed;
 
 constexpr int64_t kDirectRows = 16;
 
-struct F32 {
-  using T = float;
-  AVX2 static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-  static float widen(float v) { return v; }
-};
-
-struct BF16 {
-  using T = bf16;
-  AVX2 static __m256 load8(const bf16* p) {
-    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-  }
-  static float widen(bf16 v) {
-    const uint32_t bits = uint32_t(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-  }
-};
-
-AVX2 inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
-
 // Rows m0..m0+R-1 of x [M, I] against output rows o0..o0+NO-1 of w [O, I] into y [M, O]. The inputs past the
 // last multiple of 8 are added one by one, after the vector sums.
-template <class F, int R, int NO>
-AVX2 void tile(const float* x, int64_t I, const typename F::T* w, int64_t o0, int64_t m0, float* y, int64_t O) {
+template <class T, int R, int NO>
+AVX2 void tile(const float* x, int64_t I, const T* w, int64_t o0, int64_t m0, float* y, int64_t O) {
   __m256 acc[R][NO];
   UNROLL for (int r = 0; r < R; ++r)
     UNROLL for (int o = 0; o < NO; ++o) acc[r][o] = _mm256_setzero_ps();
   const int64_t I8 = I & ~int64_t(7);
-  const typename F::T* wr = w + o0 * I;
+  const T* wr = w + o0 * I;
   for (int64_t i = 0; i < I8; i += 8) {
     __m256 wv[NO];
-    UNROLL for (int o = 0; o < NO; ++o) wv[o] = F::load8(wr + o * I + i);
+    UNROLL for (int o = 0; o < NO; ++o) wv[o] = load8(wr + o * I + i);
     UNROLL for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + (m0 + r) * I + i);
       UNROLL for (int o = 0; o < NO; ++o) acc[r][o] = _mm256_fmadd_ps(wv[o], xv, acc[r][o]);
@@ -69,41 +43,41 @@ AVX2 void tile(const float* x, int64_t I, const typename F::T* w, int64_t o0, in
   }
   UNROLL for (int r = 0; r < R; ++r)
     UNROLL for (int o = 0; o < NO; ++o) {
-      float sum = hsum8(acc[r][o]);
-      for (int64_t i = I8; i < I; ++i) sum += F::widen(wr[o * I + i]) * x[(m0 + r) * I + i];
+      float sum = hsum(acc[r][o]);
+      for (int64_t i = I8; i < I; ++i) sum += widen(wr[o * I + i]) * x[(m0 + r) * I + i];
       y[(m0 + r) * O + o0 + o] = sum;
     }
 }
 
 // Every row of x against outputs [o0, o0 + NO): passes of at most RM <= 4 rows, as even as they go.
-template <class F, int NO, int RM>
-AVX2 void outputs(const float* x, int64_t M, int64_t I, const typename F::T* w, int64_t o0, float* y, int64_t O) {
+template <class T, int NO, int RM>
+AVX2 void outputs(const float* x, int64_t M, int64_t I, const T* w, int64_t o0, float* y, int64_t O) {
   even_passes(M, RM, [&](int64_t m, int64_t rows) {
     switch (rows) {
-      case 4: return tile<F, 4, NO>(x, I, w, o0, m, y, O);
-      case 3: return tile<F, 3, NO>(x, I, w, o0, m, y, O);
-      case 2: return tile<F, 2, NO>(x, I, w, o0, m, y, O);
-      default: return tile<F, 1, NO>(x, I, w, o0, m, y, O);
+      case 4: return tile<T, 4, NO>(x, I, w, o0, m, y, O);
+      case 3: return tile<T, 3, NO>(x, I, w, o0, m, y, O);
+      case 2: return tile<T, 2, NO>(x, I, w, o0, m, y, O);
+      default: return tile<T, 1, NO>(x, I, w, o0, m, y, O);
     }
   });
 }
 
 // Output rows [o0, o1) for every row of x [M <= kDirectRows, I], NO at a time in passes of at most RM rows.
-template <class F, int NO, int RM>
-AVX2 void direct_as(const float* x, int64_t M, int64_t I, const typename F::T* w, int64_t o0, int64_t o1, float* y,
+template <class T, int NO, int RM>
+AVX2 void direct_as(const float* x, int64_t M, int64_t I, const T* w, int64_t o0, int64_t o1, float* y,
                     int64_t O) {
   int64_t o = o0;
-  for (; o + NO <= o1; o += NO) outputs<F, NO, RM>(x, M, I, w, o, y, O);
-  for (; o < o1; ++o) outputs<F, 1, RM>(x, M, I, w, o, y, O);
+  for (; o + NO <= o1; o += NO) outputs<T, NO, RM>(x, M, I, w, o, y, O);
+  for (; o < o1; ++o) outputs<T, 1, RM>(x, M, I, w, o, y, O);
 }
 
 // One row: 4 outputs at a time (4 accumulator chains); more rows: 3 outputs x 4 rows (12 accumulators, 3 weights
 // and an x fill the 16 registers), the fastest of 4 x 3, 3 x 4, 2 x 6 at 2-16 rows here (bfloat16 most of all).
-template <class F>
-AVX2 void direct_rows(const float* x, int64_t M, int64_t I, const typename F::T* w, int64_t o0, int64_t o1, float* y,
+template <class T>
+AVX2 void direct_rows(const float* x, int64_t M, int64_t I, const T* w, int64_t o0, int64_t o1, float* y,
                       int64_t O) {
-  if (M == 1) return direct_as<F, 4, 1>(x, M, I, w, o0, o1, y, O);
-  direct_as<F, 3, 4>(x, M, I, w, o0, o1, y, O);
+  if (M == 1) return direct_as<T, 4, 1>(x, M, I, w, o0, o1, y, O);
+  direct_as<T, 3, 4>(x, M, I, w, o0, o1, y, O);
 }
 
 // Columns of 8 rows x 8 inputs: r[k] in, input k of each row out (the 8 x 8 transpose of AVX's unpack, shuffle, permute).
@@ -122,14 +96,14 @@ AVX2 inline void transpose8(__m256 r[8]) {
 
 // Rows [o0, o0 + 16) of w (those below O; the rest zero) as the packed float32 block [I, 16]: whole blocks by
 // 8 x 8 transposes, a last partial block or input width element by element.
-template <class F>
-AVX2 void widen_block(const typename F::T* w, int64_t I, int64_t o0, int64_t O, float* block) {
+template <class T>
+AVX2 void widen_block(const T* w, int64_t I, int64_t o0, int64_t O, float* block) {
   const int64_t n = std::min<int64_t>(kBlock, O - o0);
   if (n == kBlock && I % 8 == 0) {
     for (int64_t i = 0; i < I; i += 8)
       for (int64_t half = 0; half < 2; ++half) {
         __m256 r[8];
-        UNROLL for (int k = 0; k < 8; ++k) r[k] = F::load8(w + (o0 + 8 * half + k) * I + i);
+        UNROLL for (int k = 0; k < 8; ++k) r[k] = load8(w + (o0 + 8 * half + k) * I + i);
         transpose8(r);
         UNROLL for (int k = 0; k < 8; ++k) _mm256_storeu_ps(block + (i + k) * kBlock + 8 * half, r[k]);
       }
@@ -137,24 +111,24 @@ AVX2 void widen_block(const typename F::T* w, int64_t I, int64_t o0, int64_t O, 
   }
   for (int64_t i = 0; i < I; ++i) {
     float* out = block + i * kBlock;
-    for (int64_t r = 0; r < n; ++r) out[r] = F::widen(w[(o0 + r) * I + i]);
+    for (int64_t r = 0; r < n; ++r) out[r] = widen(w[(o0 + r) * I + i]);
     for (int64_t r = n; r < kBlock; ++r) out[r] = 0.f;
   }
 }
 
-template <class F>
-void linear_rows(const float* x, int64_t M, int64_t I, const typename F::T* w, float* y, int64_t O) {
+template <class T>
+void linear_rows(const float* x, int64_t M, int64_t I, const T* w, float* y, int64_t O) {
   const int64_t blocks = (O + kBlock - 1) / kBlock;
   if (M <= kDirectRows) {
     share_blocks(blocks, 4, [&](int64_t b0, int64_t b1) {
-      direct_rows<F>(x, M, I, w, b0 * kBlock, std::min(O, b1 * kBlock), y, O);
+      direct_rows<T>(x, M, I, w, b0 * kBlock, std::min(O, b1 * kBlock), y, O);
     });
     return;
   }
   share_blocks(blocks, 1, [&](int64_t b0, int64_t b1) {
     float* block = thread_buffer(I * kBlock);
     for (int64_t b = b0; b < b1; ++b) {
-      widen_block<F>(w, I, b * kBlock, O, block);
+      widen_block<T>(w, I, b * kBlock, O, block);
       packed_block_rows(x, M, I, block, b, y, O);
     }
   });
@@ -174,9 +148,9 @@ at::Tensor packed::plain_linear(const at::Tensor& x, const at::Tensor& w, const 
   const int64_t M = xf.size(0);
   at::Tensor y = at::empty({M, O}, xf.options());
   if (w.scalar_type() == at::kFloat)
-    linear_rows<F32>(xf.data_ptr<float>(), M, I, w.data_ptr<float>(), y.data_ptr<float>(), O);
+    linear_rows<float>(xf.data_ptr<float>(), M, I, w.data_ptr<float>(), y.data_ptr<float>(), O);
   else
-    linear_rows<BF16>(xf.data_ptr<float>(), M, I, reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>()),
+    linear_rows<bf16>(xf.data_ptr<float>(), M, I, reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>()),
                       y.data_ptr<float>(), O);
   if (bias.has_value()) y.add_(*bias);  // in float32: a bfloat16 bias value is exact there
   auto shape = x.sizes().vec();

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vector_avx2.h"
+
 #define QAVX2 __attribute__((target("avx2,fma,f16c")))
 // Inlined into the kernels' loops: a call per granule spills the accumulators (measured: 2x slower at one row).
 #define QINLINE __attribute__((always_inline)) inline
@@ -25,11 +27,7 @@ QAVX2 QINLINE float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-QAVX2 QINLINE float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
+using packed::hsum;
 
 // A granule as integers for the int8 path (quantized_int8.cpp): weight j is a[j / 16] * q[j] + m, q int8 (the
 // unsigned formats' q is 0..31, so it may be the unsigned side of a byte product as it is); a[0] == a[1] but in

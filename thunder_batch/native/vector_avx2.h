@@ -1,4 +1,4 @@
-// AVX2 helpers of the decode attention and the decode block: float32 and bfloat16 values widened to float32
+// AVX2 helpers of the decode attention, the decode block and the linears' kernels: float32 and bfloat16 values widened to float32
 // (one or eight at a time), rounded back as torch rounds (to nearest even, NaN kept), and e^x for x <= 0.
 #pragma once
 
@@ -31,6 +31,11 @@ PACKED_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 PACKED_AVX2 inline __m256 load8(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+PACKED_AVX2 inline float hsum(__m256 v) {  // the sum of v's eight floats
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
 }
 PACKED_AVX2 inline __m256 load8(const at::BFloat16* p) { return load8(reinterpret_cast<const uint16_t*>(p)); }
 PACKED_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
