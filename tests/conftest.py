@@ -65,3 +65,24 @@ def thunder_engine():
 @pytest.fixture(params=list(FAMILY_CONFIGS))
 def family(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def bytes_tokenizer(tmp_path_factory) -> str:
+    """A GGUF holding only a byte-level tokenizer of 258 tokens, for written files to copy: they read back in a
+    blink (the bundled file's 49k tokens and merges take the gguf reader seconds per file)."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    path = tmp_path_factory.mktemp("tokenizer") / "bytes.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()) + ["ĠĠ", "<|endoftext|>"])
+    writer.add_token_types([1] * 257 + [3])
+    writer.add_token_merges(["Ġ Ġ"])
+    writer.add_eos_token_id(257)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    return str(path)

@@ -115,9 +115,10 @@ def test_gguf_file_kept_quantized_gives_the_dequantized_checkpoints_tokens():
 
 
 def tiny_llama(**overrides) -> litgpt.GPT:
-    """A 2-layer llama with the bundled file's vocabulary (its tokenizer is copied into written files)."""
-    fields = dict(name="tiny-llama-test", block_size=256, vocab_size=49152, padded_vocab_size=49152, n_layer=2)
+    """A 2-layer llama of 320 tokens: written files copy the bytes_tokenizer's 258 (conftest), padded."""
+    fields = dict(name="tiny-llama-test", block_size=256, vocab_size=320, padded_vocab_size=320, n_layer=2)
     fields |= dict(n_embd=64, n_head=4, n_query_groups=2, intermediate_size=96, bias=False, rope_base=10000)
+    fields |= dict(rotary_percentage=1.0)  # a llama rotates every dimension (llama.cpp reads no other)
     fields |= dict(norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", parallel_residual=False)
     torch.manual_seed(0)
     return litgpt.GPT(litgpt.Config(**(fields | overrides))).eval()
@@ -142,13 +143,13 @@ def written_tokens(model, loaded, tokenizer, modes: tuple[str, ...]) -> dict[str
 
 
 @pytest.mark.parametrize("file_format", ["q8_0", "q4_0", "f32"])
-def test_a_written_gguf_loads_back_as_the_same_model(tmp_path, file_format):
+def test_a_written_gguf_loads_back_as_the_same_model(tmp_path, file_format, bytes_tokenizer):
     """gguf_write (what the bench gives llama.cpp) and gguf_load (what the engine reads) are inverses: the same
     blocks (Q/K rows permuted on the way out and back), norms and embedding, and the same greedy tokens."""
     model = tiny_llama()
     if file_format != "f32":
         quantized.quantize_model(model, file_format)
-    path = gguf_write.write_gguf(model, tmp_path / "tiny.gguf", file_format)
+    path = gguf_write.write_gguf(model, tmp_path / "tiny.gguf", file_format, bytes_tokenizer)
     loaded, tokenizer, config = gguf_load.load_gguf(path)
     assert config.name == "tiny-llama-test" and config.n_query_groups == 2
     assert_same_state(model, loaded)
@@ -156,10 +157,10 @@ def test_a_written_gguf_loads_back_as_the_same_model(tmp_path, file_format):
     assert ids["eager"] == ids["source"] and len(ids["source"][0]) == 12
 
 
-def test_update_weights_reaches_quantized_blocks_and_leaves_the_file_alone(tmp_path):
+def test_update_weights_reaches_quantized_blocks_and_leaves_the_file_alone(tmp_path, bytes_tokenizer):
     """New blocks through Engine.update_weights reach the compiled step (its tokens become those of an eager engine
     on the new blocks), and blocks loaded from a file are its pages copy-on-write: the file is not written."""
-    path = gguf_write.write_gguf(tiny_llama(), tmp_path / "tiny.gguf", "q8_0")
+    path = gguf_write.write_gguf(tiny_llama(), tmp_path / "tiny.gguf", "q8_0", bytes_tokenizer)
     file_bytes = path.read_bytes()
     loaded, tokenizer, _ = gguf_load.load_gguf(path)
     engine = Engine(loaded, EngineConfig(batch_size=2, max_seq_length=64), tokenizer)
@@ -192,7 +193,7 @@ def test_random_weights_build_a_named_config_with_the_default_tokenizer():
         ModelOptions(random_weights="TinyLlama-1.1B-Chat-v1.0").load_model()
 
 
-def test_a_qkv_of_mixed_formats_stays_quantized_part_by_part(tmp_path):
+def test_a_qkv_of_mixed_formats_stays_quantized_part_by_part(tmp_path, bytes_tokenizer):
     """A Q4_K_M file's qkv has q and k in one format and v in another: it loads as a QuantizedParts (each part the
     file's own blocks, none dequantized), writes back as the same tensors, and the compiled engine on it gives the
     eager engine's tokens, which are those of the model it was written from."""
@@ -203,7 +204,7 @@ def test_a_qkv_of_mixed_formats_stays_quantized_part_by_part(tmp_path):
         parts = [quantized.QuantizedLinear(64, len(w), f, quantized.quantize_weight(w, f)) for w, f in zip(rows, kinds)]
         block.attn.qkv = quantized.QuantizedParts(parts)
     quantized.quantize_model(model, "q4_0")
-    path = gguf_write.write_gguf(model, tmp_path / "mixed.gguf", "q4_0")
+    path = gguf_write.write_gguf(model, tmp_path / "mixed.gguf", "q4_0", bytes_tokenizer)
     loaded, tokenizer, _ = gguf_load.load_gguf(path)
     qkv = loaded.transformer.h[1].attn.qkv
     assert isinstance(qkv, quantized.QuantizedParts)
@@ -214,7 +215,7 @@ def test_a_qkv_of_mixed_formats_stays_quantized_part_by_part(tmp_path):
 
 
 @pytest.mark.parametrize("name", quantized.FLOAT_FORMATS)
-def test_f16_and_bf16_linears_stay_as_they_are(tmp_path, name):
+def test_f16_and_bf16_linears_stay_as_they_are(tmp_path, name, bytes_tokenizer):
     """A GGUF's F16/BF16 linears load as the file's own 2-byte weights (half of float32's memory), not dequantized;
     the compiled engine on them gives the eager engine's tokens (the package's widening and torch's linear), which
     are those of the model they were written from."""
@@ -226,7 +227,7 @@ def test_f16_and_bf16_linears_stay_as_they_are(tmp_path, name):
             layer = quantized.QuantizedLinear(linear.in_features, linear.out_features, kind, rows.view(torch.uint8))
             parent, _, leaf = path.rpartition(".")
             setattr(block.get_submodule(parent), leaf, layer)
-    path = gguf_write.write_gguf(model, tmp_path / f"tiny.{name}.gguf", "f32")
+    path = gguf_write.write_gguf(model, tmp_path / f"tiny.{name}.gguf", "f32", bytes_tokenizer)
     loaded, tokenizer, _ = gguf_load.load_gguf(path)
     layers = [m for m in loaded.transformer.h.modules() if isinstance(m, quantized.QuantizedLinear)]
     assert len(layers) == 5 * 2 and {m.ggml_type for m in layers} == {kind}
@@ -237,7 +238,7 @@ def test_f16_and_bf16_linears_stay_as_they_are(tmp_path, name):
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_a_qwen2_file_loads_with_its_qkv_bias(tmp_path, mixed):
+def test_a_qwen2_file_loads_with_its_qkv_bias(tmp_path, mixed, bytes_tokenizer):
     """llama.cpp's qwen2 layout (a bias on q, k and v; rows in the Hugging Face order, not permuted) written by
     gguf_write and read by gguf_load: the same tensors, biases included (part by part where q, k and v differ in
     format), and the compiled engine's tokens equal the eager engine's, which are those of the model written."""
@@ -254,7 +255,7 @@ def test_a_qwen2_file_loads_with_its_qkv_bias(tmp_path, mixed):
             ]
             block.attn.qkv = quantized.QuantizedParts(parts)
     quantized.quantize_model(model, "q8_0")
-    path = gguf_write.write_gguf(model, tmp_path / "tiny-qwen2.gguf", "q8_0")
+    path = gguf_write.write_gguf(model, tmp_path / "tiny-qwen2.gguf", "q8_0", bytes_tokenizer)
     assert gguf_load.read_field(gguf.GGUFReader(path), "general.architecture") == "qwen2"
     loaded, tokenizer, config = gguf_load.load_gguf(path)
     assert config.attn_bias and not config.bias

@@ -93,9 +93,7 @@ def random_weights_model(name: str, dtype: torch.dtype = torch.float32, device="
     init, seeded) and the default model's tokenizer: a real size to time with nothing downloaded (a step's cost
     does not depend on the values). ValueError if the config's vocabulary is smaller than the tokenizer's."""
     config = litgpt.Config.from_name(name)
-    checkpoint_dir = default_checkpoint_dir()
-    tokenizer = litgpt.Tokenizer(checkpoint_dir)
-    tokenizer.text_encoder = TextEncoder.for_checkpoint(checkpoint_dir, tokenizer)
+    tokenizer, checkpoint_dir = default_tokenizer()
     if config.padded_vocab_size < tokenizer.vocab_size:
         vocab = config.padded_vocab_size
         raise ValueError(f"{name} has {vocab} tokens, fewer than the default tokenizer's {tokenizer.vocab_size}")
@@ -108,6 +106,14 @@ def random_weights_model(name: str, dtype: torch.dtype = torch.float32, device="
     finally:
         torch.set_default_dtype(default)
     return model.to(dtype=dtype).eval(), tokenizer, config, checkpoint_dir
+
+
+def default_tokenizer() -> tuple[litgpt.Tokenizer, Path]:
+    """The default model's tokenizer (what random weights are read with) and its dir."""
+    checkpoint_dir = default_checkpoint_dir()
+    tokenizer = litgpt.Tokenizer(checkpoint_dir)
+    tokenizer.text_encoder = TextEncoder.for_checkpoint(checkpoint_dir, tokenizer)
+    return tokenizer, checkpoint_dir
 
 
 def load_checkpoint(

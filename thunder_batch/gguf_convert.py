@@ -36,6 +36,13 @@ QWEN2_SPLIT = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+# Llama 3's split (its tokenizer.json's: three digits at a time), for llama.cpp's pre names of it; its BPE takes a
+# word found whole in the vocabulary as it is (ignore_merges, as llama.cpp and tiktoken).
+LLAMA3_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_OWN_SPLITS = {"qwen2": QWEN2_SPLIT, "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT}
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # llama.cpp's token_type codes
 # Global tensors: llama.cpp name -> litgpt state-dict key.
 _GLOBAL_MAP = {
@@ -228,21 +235,23 @@ def check_state_dict(state: dict[str, torch.Tensor], config: litgpt.Config) -> N
 def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     """A Hugging Face `tokenizers` byte-level BPE rebuilt from tokenizer.ggml.* metadata."""
     kind, pre = read_field(reader, "tokenizer.ggml.model"), read_field(reader, "tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in _PRE_DIGITS | _PRE_PLAIN | {"qwen2"}:
+    known = _PRE_DIGITS | _PRE_PLAIN | set(_OWN_SPLITS)
+    if kind != "gpt2" or pre not in known:
         raise ValueError(
             f"unsupported GGUF tokenizer model={kind!r} pre={pre!r}: only byte-level BPE "
-            f"(model 'gpt2', pre one of {sorted(_PRE_DIGITS | _PRE_PLAIN | {'qwen2'})}) can be rebuilt"
+            f"(model 'gpt2', pre one of {sorted(known)}) can be rebuilt"
         )
     tokens = read_field(reader, "tokenizer.ggml.tokens")
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError("GGUF vocabulary has duplicate tokens; ids would be lost")
     merges = [tuple(m.split(" ")) for m in read_field(reader, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "qwen2")
+    whole = pre in _OWN_SPLITS and pre != "qwen2"
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=whole))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _OWN_SPLITS)
     splits = [pre_tokenizers.Digits(individual_digits=True)] if pre in _PRE_DIGITS else []
-    if pre == "qwen2":  # its own split, then bytes to characters (as its tokenizer.json)
-        splits = [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated")]
+    if pre in _OWN_SPLITS:  # its own split, then bytes to characters (as its tokenizer.json)
+        splits = [pre_tokenizers.Split(Regex(_OWN_SPLITS[pre]), behavior="isolated")]
     tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)

@@ -34,6 +34,7 @@ def load_gguf(path: Path | str, dtype: torch.dtype = torch.float32, device="cpu"
     reader = gguf.GGUFReader(path, mode="c")  # copy-on-write: kept blocks are the file's pages, writable
     arch = gguf_convert.check_architecture(reader, path)
     config = config_for(reader, path, model_name)
+    _rope_scaling(reader, config)
     state, kinds = quantized_state(reader, config, keep=dtype == torch.float32, arch=arch)
     model = _build(config, kinds, state, device)
     model = model.to(dtype=dtype).eval()
@@ -64,6 +65,37 @@ def config_for(reader, path: Path, model_name: str | None = None) -> litgpt.Conf
             if name == model_name:  # asked for by name: its mismatch is the answer
                 raise
     return _config_from_metadata(reader, names[2] or names[1])
+
+
+# Llama 3.x's RoPE scaling in litgpt's names, but for its factor: a file's rope_freqs tensor holds only the result.
+_LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+
+
+def llama3_rope_factors(config: litgpt.Config) -> np.ndarray:
+    """llama.cpp's `rope_freqs` of a llama3 RoPE scaling: each frequency's divisor [rope_n_elem / 2] (its converter's
+    formula, over litgpt's rope_adjustments)."""
+    a, dim = config.rope_adjustments, config.rope_n_elem
+    freqs = 1.0 / (config.rope_base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    wavelen, old = 2 * np.pi / freqs, a["original_max_seq_len"]
+    smooth = (old / wavelen - a["low_freq_factor"]) / (a["high_freq_factor"] - a["low_freq_factor"])
+    between = 1 / ((1 - smooth) / a["factor"] + smooth)
+    low_freq, high_freq = wavelen > old / a["low_freq_factor"], wavelen < old / a["high_freq_factor"]
+    return np.where(high_freq, 1.0, np.where(low_freq, a["factor"], between)).astype(np.float32)
+
+
+def _rope_scaling(reader, config: litgpt.Config) -> None:
+    """The file's `rope_freqs` (a llama3 RoPE scaling) checked against the config's; a config built from metadata
+    takes Llama 3.x's scaling with the file's factor. ValueError where they differ."""
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    factors = None if tensor is None else gguf_convert._dequantize(tensor).numpy()
+    if factors is not None and config.rope_adjustments is None:
+        config.rope_adjustments = dict(_LLAMA3_ROPE, factor=float(factors.max()))
+    if factors is None and config.rope_adjustments is None:
+        return
+    if factors is None or not np.allclose(llama3_rope_factors(config), factors, rtol=1e-5):
+        raise ValueError(
+            f"the file's RoPE scaling (rope_freqs) is not {config.name}'s rope_adjustments {config.rope_adjustments}"
+        )
 
 
 def _config_from_metadata(reader, name: str) -> litgpt.Config:
@@ -116,6 +148,8 @@ def quantized_state(reader, config: litgpt.Config, keep: bool = True, arch: str 
             heads[t.name] = weights, kind = _tensor(t, keep)
             if t.name == "token_embd.weight":  # dequantized once: the head's float32 copy, if it is one, is a clone
                 state["transformer.wte.weight"] = weights.clone() if kind is None else gguf_convert._dequantize(t)
+        elif t.name == "rope_freqs.weight":  # the config's RoPE scaling (checked by _rope_scaling)
+            continue
         elif t.name in _GLOBAL_MAP:
             state[_GLOBAL_MAP[t.name]] = gguf_convert._dequantize(t)
         elif block and block[2] in ("attn_q", "attn_k", "attn_v"):

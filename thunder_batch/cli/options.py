@@ -23,7 +23,8 @@ class ModelOptions:
             downloaded.
         quantization: Keep the block linears and the head as GGUF quantized blocks of this format (q8_0, q4_0,
             q4_1, q5_0, q5_1), made from the float32 weights as they load (CPU, float32 activations). A .gguf
-            checkpoint's quantized linears stay quantized without it.
+            checkpoint's quantized linears stay quantized without it. With --random_weights also llama.cpp's
+            K-quant mixes q4_k_m, q5_k_m and q6_k (random blocks: nothing can make them from weights here).
         int8_activations: Quantized linears multiply activations rounded to int8 per 32 values by integer dot
             products (llama.cpp's way: faster at few rows; outputs no longer exact to the file's weights).
     """
@@ -31,8 +32,20 @@ class ModelOptions:
     checkpoint_dir: Path | None = None
     precision: Literal["float32", "bfloat16"] = "float32"
     random_weights: str | None = None
-    quantization: Literal["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"] | None = None
+    quantization: Literal["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k"] | None = None
     int8_activations: bool = False
+
+    @property
+    def k_quant(self) -> bool:
+        """A K-quant mix: its random blocks come already quantized from load_model."""
+        from thunder_batch.gguf_write import K_MIXES
+
+        return self.quantization in K_MIXES
+
+    @property
+    def made_quantization(self) -> str | None:
+        """The format to quantize the loaded float32 weights to, if any."""
+        return None if self.k_quant else self.quantization
 
     @property
     def dtype(self):
@@ -40,10 +53,16 @@ class ModelOptions:
 
         return getattr(torch, self.precision)
 
-    def load_model(self, device="cpu"):
-        """(GPT, tokenizer, config, the dir its prompt style comes from): the checkpoint, or random weights."""
+    def load_model(self, device="cpu", folder: Path | None = None):
+        """(GPT, tokenizer, config, the dir its prompt style comes from): the checkpoint, or random weights. A random
+        K-quant model's GGUF file is kept in `folder` if one is given."""
         from thunder_batch.checkpoints import default_checkpoint_dir, load_checkpoint, random_weights_model
+        from thunder_batch.gguf_write import random_k_quant_model
 
+        if self.k_quant and self.random_weights is None:
+            raise ValueError(f"--quantization {self.quantization} is made only with --random_weights (or a GGUF file)")
+        if self.k_quant:
+            return random_k_quant_model(self.random_weights, self.quantization, folder)
         if self.random_weights is not None:
             return random_weights_model(self.random_weights, self.dtype, device)
         checkpoint_dir = default_checkpoint_dir() if self.checkpoint_dir is None else self.checkpoint_dir
@@ -54,8 +73,8 @@ class ModelOptions:
         every system runs the same linears; the others pass them in the EngineConfig)."""
         from thunder_batch import quantized
 
-        if self.quantization is not None:
-            quantized.quantize_model(gpt, self.quantization)
+        if self.made_quantization is not None:
+            quantized.quantize_model(gpt, self.made_quantization)
         if self.int8_activations and not quantized.is_quantized(gpt):
             raise ValueError("--int8_activations needs quantized linears: a GGUF file or --quantization")
         quantized.set_int8_activations(gpt, self.int8_activations)
@@ -119,7 +138,7 @@ class EngineOptions(ModelOptions):
             prefix_store_mb=self.prefix_store_mb,
             speculative_tokens=self.speculative_tokens,
             forced_tokens=self.forced_tokens,
-            quantization=self.quantization,
+            quantization=self.made_quantization,
             int8_activations=self.int8_activations,
         )
 
