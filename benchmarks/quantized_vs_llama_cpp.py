@@ -1,15 +1,18 @@
 """The engine and llama.cpp on the same quantized GGUF file of a 1-8B-shaped model with random weights.
 
 For each format: a litgpt config (default SmolLM2-1.7B-Instruct) with random weights is quantized with the `gguf`
-package and written as a GGUF (thunder_batch.gguf_write; decode cost does not depend on the values). Then, each in
+package and written as a GGUF (thunder_batch.gguf_write; decode cost does not depend on the values); a K-quant mix
+(q4_k_m, q5_k_m, q6_k) is written as llama.cpp's mix of random blocks (gguf_write.write_random_gguf). Then, each in
 its own process (so peak RSS is that run's own):
 - the engine loads the file (its linears kept quantized) and runs B fresh 64-token prompts, 32 new tokens each, all
   at once (prefix reuse off, EOS ignored), after a warm-up that compiles every step shape; decode ms per step from
   the same prompts with 1 and with 32 new tokens; pp512: one 512-token prompt, 1 new token;
 - llama.cpp: `llama-batched-bench` (-npp 64 -ntg 32 -npl B) and `llama-bench -p 512 -n 0` on the same file.
-Output tok/s = B x new tokens / wall, prompt time included, both sides.
+Output tok/s = B x new tokens / wall, prompt time included, both sides. The machine's plain read bandwidth (a sum
+over 1 GiB) is measured in the same run; the engine's B=1 decode step reads the file's linears (blocks and head) at
+"weights GB/s", a fraction of it.
 
-    python benchmarks/quantized_vs_llama_cpp.py --llama_cpp_bin /path/to/llama.cpp/build/bin --formats q8_0,q4_0
+    python benchmarks/quantized_vs_llama_cpp.py --llama_cpp_bin /path/to/llama.cpp/build/bin --formats q8_0,q4_0,q4_k_m
     python benchmarks/quantized_vs_llama_cpp.py --llama_cpp_bin ... --gguf FILE.gguf --batches 1,8,64
     python benchmarks/quantized_vs_llama_cpp.py --llama_cpp_bin ... --int8   # the engine also with int8_activations
 """
@@ -54,14 +57,20 @@ print("RESULT " + json.dumps(out))
 
 
 def write_file(model_name: str, file_format: str, folder: Path) -> Path:
+    """The random-weights file of this format, kept in `folder` under a name keyed on the writer's source."""
+    import hashlib
+
     import litgpt
     import torch
 
     from thunder_batch import gguf_write, quantized
 
-    path = folder / f"{model_name}.{file_format}.gguf"
+    sources = b"".join(Path(m.__file__).read_bytes() for m in (gguf_write, quantized))
+    path = folder / f"{model_name}.{file_format}.{hashlib.sha256(sources).hexdigest()[:12]}.gguf"
     if path.exists():
         return path
+    if file_format in gguf_write.K_MIXES:
+        return gguf_write.write_random_gguf(litgpt.Config.from_name(model_name), path, file_format)
     torch.manual_seed(0)
     model = litgpt.GPT(litgpt.Config.from_name(model_name)).eval()
     start = time.perf_counter()
@@ -104,6 +113,33 @@ def run_llama_cpp(bin_dir: Path, path: Path, batches: str, prompt: int, new: int
     return out
 
 
+def read_bandwidth_gb_s() -> float:
+    """The machine's plain read bandwidth: the best of 5 sums over 1 GiB of float32."""
+    import torch
+
+    buffer = torch.ones(2**28)
+    buffer.sum()
+    seconds = min(timed(buffer.sum) for _ in range(5))
+    return buffer.numel() * 4 / seconds / 1e9
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def linear_bytes(path: Path) -> int:
+    """Bytes a decode step reads of the file's weights: its linears (the blocks' and the head, tied or not)."""
+    import gguf
+
+    from thunder_batch.bench.llama_cpp_files import _LINEAR
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    head = 0 if "output.weight" in tensors else tensors["token_embd.weight"]
+    return head + sum(n for name, n in tensors.items() if _LINEAR.fullmatch(name))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama_cpp_bin", type=Path, required=True)
@@ -116,6 +152,8 @@ def main() -> None:
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
     files = {args.gguf.name: args.gguf} if args.gguf else {}
+    bandwidth = read_bandwidth_gb_s()
+    print(f"plain read bandwidth: {bandwidth:.1f} GB/s", flush=True)
     print("| format | B | engine output tok/s | llama.cpp | engine x | engine decode ms | llama.cpp decode ms |")
     print("|---|---|---|---|---|---|---|")
     for file_format in files or args.formats.split(","):
@@ -124,6 +162,9 @@ def main() -> None:
         for int8 in (False, True) if args.int8 else (False,):
             engine = run_engine(path, args.batches, 64, 32, int8)
             report(file_format + (" int8" if int8 else ""), args.batches, engine, peer, path)
+            if "1" in args.batches.split(","):
+                rate = linear_bytes(path) / engine["1"]["decode_ms"] / 1e6
+                print(f"| {file_format} | B=1 weights GB/s | {rate:.1f} ({rate / bandwidth:.0%} of plain read) |")
 
 
 def report(file_format: str, batches: str, engine: dict, peer: dict, path: Path) -> None:

@@ -1,18 +1,18 @@
 """llama.cpp as a benchmark peer: its own server on the same requests, from a build the user points to.
 
 `llama-server` (the user's build: `--llama_cpp_bin DIR` or $LLAMA_CPP_BIN) runs a GGUF of the same
-weights (`--llama_cpp_gguf FILE[,FILE]`, f32 and/or bf16, made by llama.cpp's converter: see
-benchmarks/RESULTS.md, "Peer setup") on 127.0.0.1 with B parallel slots, continuous batching, the
-bench's threads. Each request goes in as its prompt's token ids at its arrival time, greedy
-(temperature 0), streamed, with `return_tokens` so its output ids are compared with the engine's. The
-server's own decode rate (its `timings`) is kept beside the bench's output tok/s. A precision with no
-GGUF of its own is skipped with a note.
+weights in the same formats (bench.llama_cpp_files: a file given with `--llama_cpp_gguf`, else the model
+written by the bench) on 127.0.0.1 with B parallel slots, continuous batching, the bench's threads. Each
+request goes in as its prompt's token ids at its arrival time, greedy (temperature 0), streamed, with
+`return_tokens` so its output ids are compared with the engine's. The server's own decode rate (its
+`timings`) and its own peak resident memory are kept beside the bench's output tok/s.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from thunder_batch.bench.metrics import PeakMemory, RequestTrace
+from thunder_batch.bench.metrics import RequestTrace
 from thunder_batch.bench.system_run import BenchContext, SystemRun, wait_until
 from thunder_batch.bench.workloads import BenchRequest
 
@@ -31,10 +31,9 @@ SYSTEM = "llama.cpp"
 ENV_VAR = "LLAMA_CPP_BIN"
 HOW = (
     "point --llama_cpp_bin (or $LLAMA_CPP_BIN) to a llama.cpp build's bin/ (cmake -B build && cmake --build build "
-    "--target llama-server) and --llama_cpp_gguf to an f32 or bf16 GGUF of the checkpoint made by llama.cpp's "
-    "convert_hf_to_gguf.py (benchmarks/RESULTS.md, Peer setup)"
+    "--target llama-server; benchmarks/RESULTS.md, Peer setup); the bench writes the model as a GGUF for it, or "
+    "give one with --llama_cpp_gguf (e.g. made by llama.cpp's convert_hf_to_gguf.py)"
 )
-FILE_TYPES = {0: "float32", 1: "float16", 32: "bfloat16"}  # GGUF general.file_type -> precision
 
 
 def server_path(bin_dir: str | None) -> Path | None:
@@ -43,35 +42,22 @@ def server_path(bin_dir: str | None) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def gguf_precision(path: str) -> str:
-    """The precision of a GGUF's weights (its general.file_type), e.g. "float32"."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(path).fields.get("general.file_type")
-    if field is None:
-        raise ValueError(f"{path}: no general.file_type in the GGUF")
-    kind = int(field.parts[field.data[0]][0])
-    if kind not in FILE_TYPES:
-        raise ValueError(f"{path}: GGUF file type {kind} is quantized; give an f32 or bf16 GGUF")
-    return FILE_TYPES[kind]
-
-
-def ggufs_by_precision(ggufs: str | None) -> dict[str, str]:
-    return {gguf_precision(p): p for p in (ggufs or "").split(",") if p.strip()}
-
-
 def unavailable(bin_dir: str | None, ggufs: str | None) -> str | None:
     """Why llama.cpp cannot run in this bench, or None: a one-line hint on how to get it when it cannot."""
-    if server_path(bin_dir) is None or not ggufs:
-        return f"no llama.cpp build or GGUF given: {HOW}"
-    missing = [p for p in ggufs.split(",") if p.strip() and not Path(p.strip()).is_file()]
-    if missing:
-        return f"GGUF not found: {missing}"
+    if server_path(bin_dir) is None:
+        return f"no llama.cpp build given: {HOW}"
+    missing = [p for p in (ggufs or "").split(",") if p.strip() and not Path(p.strip()).is_file()]
+    return f"GGUF not found: {missing}" if missing else None
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """A live process's peak resident memory (Linux's VmHWM), MiB; None where /proc does not say."""
     try:
-        ggufs_by_precision(ggufs)
-    except ValueError as e:
-        return str(e)
-    return None
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return int(match[1]) / 1024 if match else None
 
 
 def free_port() -> int:
@@ -143,19 +129,24 @@ def send_all(url: str, workload: list[BenchRequest], ignore_eos: bool) -> tuple[
     return traces, timings, time.perf_counter() - start
 
 
-def run_llama_cpp(workload: list[BenchRequest], batch_size: int, ctx: BenchContext, precision: str) -> SystemRun:
-    """The workload through llama-server at the run's precision (its GGUF) with B slots."""
-    gguf, server = ggufs_by_precision(ctx.llama_cpp_gguf)[precision], server_path(ctx.llama_cpp_bin)
-    with PeakMemory(ctx.device) as memory:
-        process, url = start_server(server, gguf, batch_size, ctx)
-        try:
-            traces, timings, wall = send_all(url, workload, ctx.ignore_eos)
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
+def run_llama_cpp(workload: list[BenchRequest], batch_size: int, ctx: BenchContext, gguf: str) -> SystemRun:
+    """The workload through llama-server on `gguf` (the model's weights: bench.llama_cpp_files) with B slots."""
+    from thunder_batch.bench.llama_cpp_files import file_label
+
+    server = server_path(ctx.llama_cpp_bin)
+    process, url = start_server(server, gguf, batch_size, ctx)
+    try:
+        traces, timings, wall = send_all(url, workload, ctx.ignore_eos)
+        memory = dict(peak_rss_mb=peak_rss_mb(process.pid), peak_gpu_mb=None)  # the server's own
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
     rates = [t["predicted_per_second"] for t in timings if t.get("predicted_per_second")]
-    decode = dict(per_sequence_decode_tok_s=sum(rates) / len(rates) if rates else None, gguf=gguf)
+    label, size_mb = file_label(gguf), Path(gguf).stat().st_size / 2**20
+    decode = dict(per_sequence_decode_tok_s=sum(rates) / len(rates) if rates else None, gguf=gguf, file_type=label)
+    decode["file_mb"] = size_mb
     emitted = sum(len(t.token_ids) for t in traces)
     print(f"[bench] {SYSTEM} B={batch_size}: {emitted} tokens in {wall:.1f}s", file=sys.stderr)
-    note = f"llama-server ({server}), {batch_size} slots, greedy, prompts as token ids; memory is the bench's own"
-    return SystemRun(SYSTEM, batch_size, traces, wall, memory.as_dict(), notes=[note], extra=dict(llama_cpp=decode))
+    note = f"llama-server ({server}) on {Path(gguf).name} ({label}, {size_mb:.0f} MiB), {batch_size} slots, greedy, "
+    note += "prompts as token ids; memory is the server's own peak"
+    return SystemRun(SYSTEM, batch_size, traces, wall, memory, notes=[note], extra=dict(llama_cpp=decode))

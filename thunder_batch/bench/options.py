@@ -55,7 +55,7 @@ class BenchOptions:
             thunder-default (the engine's default executors), thunder-torch, thunder-torchcompile,
             thunder-nvfuser, hf-transformers, hf-transformers-compile
             (Hugging Face transformers' generate on static batches; the `hf` extra), llama.cpp (its server
-            with B slots, from --llama_cpp_bin and --llama_cpp_gguf). A system may be restricted to some
+            with B slots, from --llama_cpp_bin, on the model's own weights). A system may be restricted to some
             precisions and batch sizes: `name@precision[/precision]:B[/B]`, e.g. "thunder-torch@float32:32"
             runs thunder-torch in float32 at B=32 only; a plain name runs every precision at every batch size.
         precisions: Comma-separated precisions, e.g. "float32,bfloat16"; None: the model's --precision.
@@ -68,9 +68,10 @@ class BenchOptions:
         warm_compile: Also time a second engine loading the compiled programs from the compile cache.
         profile: Profile one decode step of every engine run (top ops by self time).
         llama_cpp_bin: A llama.cpp build's bin/ folder holding llama-server, for the `llama.cpp` system
-            (None: $LLAMA_CPP_BIN). Without it (or a GGUF) that system is skipped with a line saying how.
-        llama_cpp_gguf: Comma-separated f32 and/or bf16 GGUF files of the checkpoint, made by llama.cpp's
-            own converter; each serves the run's precision it holds (benchmarks/RESULTS.md, Peer setup).
+            (None: $LLAMA_CPP_BIN). Without it that system is skipped with a line saying how.
+        llama_cpp_gguf: Comma-separated GGUF files of the checkpoint (e.g. made by llama.cpp's own converter);
+            each serves the model whose linears are in its formats. Any other model is written by the bench
+            (a GGUF checkpoint is given as it is).
         output_json: Write every number, versions and machine info here.
         plot: Write a PNG here: tokens/s vs batch size per system, and the TTFT distribution.
         progress: tqdm progress bars on stderr.

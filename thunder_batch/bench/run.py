@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def run_system(name: str, gpt, workload, batch_size: int | None, ctx):
     from thunder_batch.bench import baselines, engine_runs, hf_transformers, llama_cpp
 
     if name == llama_cpp.SYSTEM:
-        return llama_cpp.run_llama_cpp(workload, batch_size, ctx, precision_of(gpt))
+        return llama_cpp.run_llama_cpp(workload, batch_size, ctx, ctx.llama_cpp_files[precision_of(gpt)])
     if name == "litgpt-sequential":
         return baselines.run_litgpt_sequential(gpt, workload, ctx)
     if name == "litgpt-batched":
@@ -109,30 +110,40 @@ def run_benchmark(gpt, tokenizer=None, prompt_style=None, *, options: BenchOptio
     workload, max_seq_length = make_workload(gpt, tokenizer, prompt_style, options)
     ctx = BenchContext.from_options(gpt, tokenizer, options, max_seq_length)
     skipped = unavailable_systems([s.name for s in specs], options)
-    plan = [p for p in plan if p[0] not in skipped and not skip_precision(p, options, skipped)]
+    plan = [p for p in plan if p[0] not in skipped]
     peaks = measure_peaks(ctx.device, precisions, options.matmul_n, options.copy_mb)
     model_label = f"{model_label} {','.join(precisions)}"
     started = time.time()
     runs = []
-    for name, precision, B in plan:
-        runs.append(run_system(name, models[precision], workload, B, ctx))
-        runs[-1].precision = precision
-        if options.output_json:  # partial results survive an interrupted run
-            write_result(runs, models, workload, ctx, options, peaks, skipped, model_label, started)
+    with tempfile.TemporaryDirectory(prefix="thunder-batch-gguf-") as folder:  # GGUFs written for llama.cpp
+        ctx.llama_cpp_files = llama_cpp_files(plan, models, options, Path(folder), skipped)
+        for name, precision, B in plan:
+            if name == "llama.cpp" and precision not in ctx.llama_cpp_files:
+                continue
+            runs.append(run_system(name, models[precision], workload, B, ctx))
+            runs[-1].precision = precision
+            if options.output_json:  # partial results survive an interrupted run
+                write_result(runs, models, workload, ctx, options, peaks, skipped, model_label, started)
     result = write_result(runs, models, workload, ctx, options, peaks, skipped, model_label, started)
     emit(result, options)
     return result
 
 
-def skip_precision(run: tuple, options: BenchOptions, skipped: dict) -> bool:
-    """A llama.cpp run at a precision no given GGUF holds: noted in `skipped`, not run."""
+def llama_cpp_files(plan, models: dict, options: BenchOptions, folder: Path, skipped: dict) -> dict[str, str]:
+    """precision -> the GGUF llama.cpp runs beside that precision's model (bench.llama_cpp_files); a precision whose
+    model cannot be written is noted in `skipped`, not run."""
     from thunder_batch.bench import llama_cpp
+    from thunder_batch.bench.llama_cpp_files import LlamaCppFiles
 
-    name, precision, _ = run
-    if name != llama_cpp.SYSTEM or precision in llama_cpp.ggufs_by_precision(options.llama_cpp_gguf):
-        return False
-    skipped[f"{name}@{precision}"] = f"no GGUF of {precision} among --llama_cpp_gguf"
-    return True
+    precisions = list(dict.fromkeys(precision for name, precision, _ in plan if name == llama_cpp.SYSTEM))
+    files = LlamaCppFiles(options.llama_cpp_gguf, folder) if precisions else None
+    chosen = {}
+    for precision in precisions:
+        try:
+            chosen[precision] = files.for_model(models[precision])
+        except ValueError as e:
+            skipped[f"{llama_cpp.SYSTEM}@{precision}"] = f"no GGUF of this model: {e}"
+    return chosen
 
 
 def precision_of(gpt) -> str:

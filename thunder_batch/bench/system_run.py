@@ -37,7 +37,8 @@ class BenchContext:
     warm_compile: bool = True
     profile: bool = False
     llama_cpp_bin: str | None = None  # a llama.cpp build's bin/ (bench.llama_cpp), else $LLAMA_CPP_BIN
-    llama_cpp_gguf: str | None = None  # comma-separated GGUF files of the checkpoint, one per precision
+    llama_cpp_gguf: str | None = None  # comma-separated GGUF files of the checkpoint (bench.llama_cpp_files)
+    llama_cpp_files: dict = field(default_factory=dict)  # precision -> the GGUF llama.cpp runs (set by the run)
     prefix_reuse: bool = True  # engines keep their slots' caches for prompts sharing a prefix
     prefix_store_mb: int = 1024  # host memory for kept prefixes that new prompts write over
 
