@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-ENGINE_RUN = """
+ENGINE_RUN = r"""
 import json, re, sys, time, random
 import torch
 from thunder_batch import Engine, EngineConfig, SamplingParams

@@ -68,7 +68,7 @@ def config_for(reader, path: Path, model_name: str | None = None) -> litgpt.Conf
 
 
 # Llama 3.x's RoPE scaling in litgpt's names, but for its factor: a file's rope_freqs tensor holds only the result.
-_LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+LLAMA3_ROPE_DEFAULTS = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
 
 
 def llama3_rope_factors(config: litgpt.Config) -> np.ndarray:
@@ -89,10 +89,14 @@ def _rope_scaling(reader, config: litgpt.Config) -> None:
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     factors = None if tensor is None else gguf_convert._dequantize(tensor).numpy()
     if factors is not None and config.rope_adjustments is None:
-        config.rope_adjustments = dict(_LLAMA3_ROPE, factor=float(factors.max()))
+        config.rope_adjustments = dict(LLAMA3_ROPE_DEFAULTS, factor=float(factors.max()))
     if factors is None and config.rope_adjustments is None:
         return
-    if factors is None or not np.allclose(llama3_rope_factors(config), factors, rtol=1e-5):
+    llama3 = set(config.rope_adjustments) == {
+        "factor",
+        *LLAMA3_ROPE_DEFAULTS,
+    }  # litgpt's other kind (yarn) has no rope_freqs
+    if factors is None or not llama3 or not np.allclose(llama3_rope_factors(config), factors, rtol=1e-5):
         raise ValueError(
             f"the file's RoPE scaling (rope_freqs) is not {config.name}'s rope_adjustments {config.rope_adjustments}"
         )

@@ -54,14 +54,16 @@ _LLAMA_LAYOUT = dict(
     scale_embeddings=False,
     n_expert=0,
 )
-_LLAMA3_ROPE = {"factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"}
 _USER_DEFINED = 4  # a token type whose text llama.cpp prints as it is: the padding tokens'
 
 
 def unwritable(config) -> str | None:
     """Why `config` cannot be written as a llama or qwen2 GGUF, or None."""
     wrong = [f"{k}={getattr(config, k, None)!r}" for k, v in _LLAMA_LAYOUT.items() if getattr(config, k, v) != v]
-    if config.rope_adjustments is not None and set(config.rope_adjustments) != _LLAMA3_ROPE:
+    if config.rope_adjustments is not None and set(config.rope_adjustments) != {
+        "factor",
+        *gguf_load.LLAMA3_ROPE_DEFAULTS,
+    }:
         wrong.append(f"rope_adjustments={config.rope_adjustments!r}")
     return f"{config.name} is not in a llama or qwen2 layout ({', '.join(wrong)})" if wrong else None
 
