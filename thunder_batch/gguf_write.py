@@ -39,31 +39,18 @@ _TOKENIZER_FIELDS = {
 # llama.cpp's general.file_type (LLAMA_FTYPE_*) per format written.
 FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9}
 FLOATS = ("f32", "f16", "bf16")
-# What a llama (or, with a qkv bias, qwen2) GGUF holds: any other value of these config fields is not written.
-_LLAMA_LAYOUT = dict(
-    mlp_class_name="LLaMAMLP",
-    norm_class_name="RMSNorm",
-    bias=False,
-    lm_head_bias=False,
-    sliding_window_size=None,
-    rotary_percentage=1.0,
-    parallel_residual=False,
-    norm_qk=False,
-    post_attention_norm=False,
-    post_mlp_norm=False,
-    scale_embeddings=False,
-    n_expert=0,
-)
 _USER_DEFINED = 4  # a token type whose text llama.cpp prints as it is: the padding tokens'
 
 
 def unwritable(config) -> str | None:
     """Why `config` cannot be written as a llama or qwen2 GGUF, or None."""
-    wrong = [f"{k}={getattr(config, k, None)!r}" for k, v in _LLAMA_LAYOUT.items() if getattr(config, k, v) != v]
-    if config.rope_adjustments is not None and set(config.rope_adjustments) != {
-        "factor",
-        *gguf_load.LLAMA3_ROPE_DEFAULTS,
-    }:
+    from thunder_batch.checkpoints import LLAMA_LAYOUT
+
+    # The llama layout; a qkv bias makes it qwen2, a llama3 RoPE scaling goes in as rope_freqs (checked below).
+    layout = {k: v for k, v in LLAMA_LAYOUT.items() if k not in ("attn_bias", "rope_adjustments")}
+    wrong = [f"{k}={getattr(config, k, None)!r}" for k, v in layout.items() if getattr(config, k, v) != v]
+    llama3 = {"factor", *gguf_load.LLAMA3_ROPE_DEFAULTS}
+    if config.rope_adjustments is not None and set(config.rope_adjustments) != llama3:
         wrong.append(f"rope_adjustments={config.rope_adjustments!r}")
     return f"{config.name} is not in a llama or qwen2 layout ({', '.join(wrong)})" if wrong else None
 

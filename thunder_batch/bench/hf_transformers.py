@@ -25,6 +25,7 @@ import torch
 from thunder_batch.bench.metrics import PeakMemory, RequestTrace
 from thunder_batch.bench.system_run import BenchContext, SystemRun, progress_bar
 from thunder_batch.bench.workloads import BenchRequest
+from thunder_batch.checkpoints import LLAMA_LAYOUT
 
 HF_SYSTEMS = ("hf-transformers", "hf-transformers-compile")
 INSTALL_HINT = "transformers is not installed (pip install 'thunder_batch[hf]')"
@@ -39,29 +40,8 @@ def unavailable() -> str | None:
     return None
 
 
-# litgpt Config fields that must hold these values for each layout transformers gets (name -> value).
-LLAMA_LAYOUT = dict(
-    mlp_class_name="LLaMAMLP",
-    norm_class_name="RMSNorm",
-    parallel_residual=False,
-    rotary_percentage=1.0,
-    rope_adjustments=None,
-    rope_condense_ratio=1,
-    rope_interleave=False,
-    bias=False,  # litgpt's Llama copy function maps no linear biases
-    attn_bias=False,
-    lm_head_bias=False,
-    norm_1=True,
-    norm_2=True,
-    norm_qk=False,
-    post_attention_norm=False,
-    post_mlp_norm=False,
-    scale_embeddings=False,
-    attention_logit_softcapping=None,
-    final_logit_softcapping=None,
-    sliding_window_size=None,
-    n_expert=0,
-)
+# litgpt Config fields that must hold these values for each layout transformers gets (name -> value); Llama's is
+# the one llama.cpp's llama files hold too (checkpoints.LLAMA_LAYOUT).
 NEOX_LAYOUT = dict(
     mlp_class_name="GptNeoxMLP",
     norm_class_name="LayerNorm",
