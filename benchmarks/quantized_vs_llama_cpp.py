@@ -27,10 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-ENGINE_RUN = r"""
-import json, re, sys, time, random
+ENGINE_RUN = """
+import json, os, sys, time, random
 import torch
 from thunder_batch import Engine, EngineConfig, SamplingParams
+from thunder_batch.bench.llama_cpp import peak_rss_mb
 from thunder_batch.checkpoints import load_checkpoint
 path, batches, prompt, new = sys.argv[1], [int(b) for b in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
 int8 = sys.argv[5] == "int8"
@@ -52,7 +53,7 @@ engine = Engine(model, EngineConfig(batch_size=1, max_seq_length=513, prefix_reu
 wall(engine, fresh(1, 512), 1)
 out["pp512"] = 512 / min(wall(engine, fresh(1, 512), 1) for _ in range(2))
 # VmHWM, not ru_maxrss: Linux carries a forked parent's resident size into ru_maxrss across exec
-out["peak_rss_gb"] = int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read())[1]) / 1e6
+out["peak_rss_gb"] = peak_rss_mb(os.getpid()) * 2**20 / 1e9
 print("RESULT " + json.dumps(out))
 """
 
